@@ -1,0 +1,109 @@
+"""Datasets and prompts: each example becomes (prompt question, gold answer).
+
+Sources, in order: a local folder (`--data-dir DIR` or $VINEPPO_DATA_DIR) holding DIR/<dataset>/<split>.jsonl, else
+the Hugging Face Hub through `datasets`:
+    gsm8k: openai/gsm8k "main" (train 7,473 / test 1,319); gold = the number after "####".
+    math:  train = EleutherAI/hendrycks_math (7,500, all subjects); test = HuggingFaceH4/MATH-500;
+           gold = the `answer` field, or the last \\boxed{} of the solution.
+The local files use the same fields as the Hub rows (see ../shared/data/README.md).
+"""
+import json
+import os
+from pathlib import Path
+
+from grader import extract_boxed
+
+DATASETS = ("gsm8k", "math")
+SPLITS = ("train", "test")
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                 "prealgebra", "precalculus")
+
+CHAT_INSTRUCTION = {
+    "gsm8k": "Solve the problem step by step. Write one step per line. "
+             "On the last line write the final answer as '#### <number>'.",
+    "math": "Solve the problem step by step. Write one step per line. "
+            "Put the final answer in \\boxed{...} on the last line.",
+}
+SFT_TEMPLATE = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the paper's SFT checkpoints were trained on this
+
+
+def gold_answer(row: dict, *, dataset: str) -> str | None:
+    """The gold final answer of a raw row: after '####' (gsm8k); `answer`, else the last \\boxed{} (math)."""
+    if dataset == "gsm8k":
+        return row["answer"].split("####")[-1].strip() if "####" in row.get("answer", "") else None
+    return row.get("answer") or extract_boxed(row.get("solution", ""))
+
+
+def to_example(row: dict, *, dataset: str, where: str) -> dict:
+    """A raw row -> {"question", "answer", "solution"}; a one-line error naming `where` if it is malformed."""
+    question = row.get("question" if dataset == "gsm8k" else "problem") if isinstance(row, dict) else None
+    answer = gold_answer(row, dataset=dataset) if isinstance(row, dict) and isinstance(question, str) else None
+    if not isinstance(question, str) or not isinstance(answer, str) or not answer:
+        fields = '"question" and "answer" ending in "#### <number>"' if dataset == "gsm8k" else \
+            '"problem" and "answer", or a "solution" with \\boxed{}'
+        raise SystemExit(f"error: {where}: malformed {dataset} row (expected {fields})")
+    solution = row.get("answer") if dataset == "gsm8k" else row.get("solution", "")
+    return {"question": question, "answer": answer, "solution": solution or ""}
+
+
+def read_jsonl(path: Path, *, dataset: str) -> list[dict]:
+    """Examples of a local .jsonl file; a malformed line stops with `file:line`."""
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path}:{number}: not valid JSON ({e.msg})") from None
+            examples.append(to_example(row, dataset=dataset, where=f"{path}:{number}"))
+    return examples
+
+
+def find_local_file(data_dir: str, *, dataset: str, split: str) -> Path:
+    """DIR/<dataset>/<split>.jsonl, or DIR/<split>.jsonl when DIR is the dataset's own folder."""
+    root = Path(data_dir).expanduser()
+    for path in (root / dataset / f"{split}.jsonl", root / f"{split}.jsonl"):
+        if path.is_file():
+            return path
+    raise SystemExit(f"error: --data-dir {data_dir}: no {dataset}/{split}.jsonl there "
+                     f"(expected {root / dataset / f'{split}.jsonl'})")
+
+
+def hub_rows(*, dataset: str, split: str) -> list[dict]:
+    """Raw rows from the Hugging Face Hub."""
+    from datasets import load_dataset  # imported here: loading from a folder needs no `datasets`
+    if dataset == "gsm8k":
+        return list(load_dataset("openai/gsm8k", "main", split=split))
+    if split == "test":
+        return list(load_dataset("HuggingFaceH4/MATH-500", split="test"))
+    return [row for subject in MATH_SUBJECTS for row in load_dataset("EleutherAI/hendrycks_math", subject, split="train")]
+
+
+def load_split(dataset: str, split: str, *, data_dir: str | None = None) -> list[dict]:
+    """Examples ({"question", "answer", "solution"}) of one split: from a local folder if given, else the Hub."""
+    if dataset not in DATASETS or split not in SPLITS:
+        raise SystemExit(f"error: unknown dataset/split {dataset}/{split} (choose from {DATASETS} x {SPLITS})")
+    data_dir = data_dir or os.environ.get("VINEPPO_DATA_DIR")
+    if data_dir:
+        return read_jsonl(find_local_file(data_dir, dataset=dataset, split=split), dataset=dataset)
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise SystemExit(f"error: offline and no data folder: pass --data-dir DIR holding {dataset}/{split}.jsonl "
+                         "(or set VINEPPO_DATA_DIR)")
+    try:
+        rows = hub_rows(dataset=dataset, split=split)
+    except Exception as e:  # no network, no `datasets`, a moved repository: all end the same way for the user
+        raise SystemExit(f"error: could not load {dataset}/{split} from the Hub ({type(e).__name__}); pass --data-dir "
+                         f"DIR holding {dataset}/{split}.jsonl (or set VINEPPO_DATA_DIR)") from None
+    return [to_example(row, dataset=dataset, where=f"hub:{dataset}/{split}[{i}]") for i, row in enumerate(rows)]
+
+
+def make_prompt(question: str, *, dataset: str, tokenizer, prompt_format: str = "chat") -> str:
+    """The prompt text. "chat": the model's chat template asking for one step per line and a final-answer marker;
+    "sft": the paper's plain template for its SFT checkpoints."""
+    if prompt_format == "sft" or getattr(tokenizer, "chat_template", None) is None:
+        return SFT_TEMPLATE.format(question=question)
+    message = f"{CHAT_INSTRUCTION[dataset]}\n\nProblem: {question}"
+    return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)

