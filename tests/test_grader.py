@@ -4,14 +4,11 @@ import random
 import string
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
+from conftest import DATA_DIR, needs_data
 from grader import extract_boxed, extract_math_answer, grade, grade_gsm8k, grade_math, parse_number
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 @pytest.mark.parametrize("response, answer, expected", [
     ("She sells 16 - 3 - 4 = 9 eggs.\nShe makes 9 * 2 = $18.\n#### 18", "18", 1.0),
@@ -136,18 +133,18 @@ def rows(path):
     return [json.loads(line) for line in path.open()]
 
 
-@pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").exists(), reason="no ../shared/data")
+@needs_data
 def test_gsm8k_gold_solutions_grade_one():
-    data = rows(DATA / "gsm8k" / "test.jsonl")
+    data = rows(DATA_DIR / "gsm8k" / "test.jsonl")
     golds = [row["answer"].split("####")[-1].strip() for row in data]
     own = sum(grade_gsm8k(row["answer"], gold) for row, gold in zip(data, golds))
     other = sum(grade_gsm8k(row["answer"], golds[i - 1]) for i, row in enumerate(data) if golds[i - 1] != golds[i])
     assert own == len(data) and other == 0
 
 
-@pytest.mark.skipif(not (DATA / "math" / "test.jsonl").exists(), reason="no ../shared/data")
+@needs_data
 def test_math500_gold_solutions_grade_one():
-    data = rows(DATA / "math" / "test.jsonl")
+    data = rows(DATA_DIR / "math" / "test.jsonl")
     own = sum(grade_math(row["solution"], row["answer"]) for row in data)
     other = sum(grade_math(row["solution"], data[i - 1]["answer"]) for i, row in enumerate(data))
     assert own == len(data) and other <= 5  # a few neighbours share an answer ("7" and "7", "x=5" and "5")
