@@ -43,3 +43,7 @@ def smol(smol_path):
     from model import load_model, load_tokenizer
     return (load_model(smol_path, device=torch.device("cpu"), dtype=torch.float32, frozen=True),
             load_tokenizer(smol_path))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "vllm: needs vLLM (skipped where it does not import)")

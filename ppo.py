@@ -1,0 +1,129 @@
+"""The PPO update: clipped surrogate + KL penalty to the frozen reference, epochs x minibatches.
+
+    ratio = exp(logp - logp_old)
+    loss  = mean over response tokens of  -min(ratio * A, clip(ratio, 1 - clip, 1 + clip) * A)  +  kl_coef * k3
+    k3    = exp(logp_ref - logp) - (logp_ref - logp) - 1      (an unbiased, non-negative estimator of KL(pi || ref))
+
+The KL term is in the loss, not the reward (paper: kl_coef = 1e-4). Log-probs use logits / sampling temperature.
+A minibatch whose mean ratio exceeds `max_ratio` (10) is skipped: its samples are too far off-policy to trust.
+
+Shapes: B = episodes, P = prompt columns (left-padded), R = response columns (right-padded), T = P + R.
+"""
+import math
+
+import torch
+from tqdm import tqdm
+
+from model import response_logprobs
+
+
+def ppo_loss(*, logprobs, old_logprobs, ref_logprobs, advantages, mask, clip: float, kl_coef: float):
+    """Clipped PPO loss averaged over response tokens (mask == 1), plus kl_coef * k3 KL to the reference.
+
+    All inputs (B, R). Returns (loss, stats) with stats approx_kl, clipfrac, kl_ref, ratio (token means, detached).
+    """
+    mask = mask.float()
+    n = mask.sum().clamp(min=1)
+    log_ratio = logprobs - old_logprobs  # (B, R)
+    ratio = log_ratio.exp()  # (B, R)
+    pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)  # (B, R)
+    ref_diff = ref_logprobs - logprobs  # (B, R)
+    kl_ref = (ref_diff.exp() - ref_diff - 1).clamp(0, 10)  # (B, R) k3
+    loss = ((pg + kl_coef * kl_ref) * mask).sum() / n
+    with torch.no_grad():
+        stats = {"approx_kl": (((ratio - 1) - log_ratio) * mask).sum() / n,  # k3 of KL(old || new)
+                 "clipfrac": (((ratio - 1).abs() > clip).float() * mask).sum() / n,
+                 "kl_ref": (kl_ref * mask).sum() / n,
+                 "ratio": (ratio * mask).sum() / n}
+    return loss, {k: v.item() for k, v in stats.items()}
+
+
+def pad_episodes(prompts: list[list[int]], responses: list[list[int]], *, pad_id: int):
+    """Left-pad prompts to P and right-pad responses to R. Returns input_ids, attention_mask (B, T), response_mask
+    (B, R) and P."""
+    P, R = max(map(len, prompts)), max(map(len, responses))
+    ids = [[pad_id] * (P - len(p)) + p + r + [pad_id] * (R - len(r)) for p, r in zip(prompts, responses)]
+    attn = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
+    resp = [[1] * len(r) + [0] * (R - len(r)) for r in responses]
+    return torch.tensor(ids), torch.tensor(attn), torch.tensor(resp), P
+
+
+def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """(B, width) from 1-D tensors of varying length, zero-padded on the right."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask")  # (B, T); every other batch entry is per response token (B, R)
+
+
+def trim(batch: dict, idx: torch.Tensor, P: int) -> tuple[dict, int]:
+    """Rows `idx` of the batch, without the columns that are padding in every one of them; returns the new P too."""
+    left = int((batch["attention_mask"][idx, :P].sum(0) == 0).sum())  # leading all-pad prompt columns
+    R = int(batch["response_mask"][idx].sum(1).max())
+    out = {k: v[idx, left:P + R] if k in SEQUENCE_KEYS else v[idx, :R] for k, v in batch.items()}
+    return out, P - left
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """(B, R) log-probs of every response token under `model` (no grad), computed micro-batch by micro-batch."""
+    out = torch.zeros(batch["response_mask"].shape)
+    for start in range(0, len(out), micro_batch_size):
+        idx = torch.arange(start, min(start + micro_batch_size, len(out)))
+        mb, p = trim(batch, idx, P)
+        logp, _ = response_logprobs(model, input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                                    response_start=p, temperature=temperature)
+        out[idx, :logp.shape[1]] = logp.float().cpu()
+    return out
+
+
+def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, epochs: int, minibatch_size: int,
+               micro_batch_size: int, clip: float, kl_coef: float, temperature: float, max_grad_norm: float = 1.0,
+               max_ratio: float = 10.0, generator: torch.Generator | None = None) -> dict:
+    """Epochs x minibatches of clipped PPO steps, with gradient accumulation over micro-batches.
+
+    batch: input_ids, attention_mask (B, T); response_mask, old_logprobs, ref_logprobs, advantages (B, R).
+    Returns mean stats over the optimizer steps taken, and `skipped` minibatches.
+    """
+    device = next(policy.parameters()).device
+    policy.train()
+    B, totals, steps, skipped = len(batch["input_ids"]), {}, 0, 0
+    bar = tqdm(total=epochs * math.ceil(B / minibatch_size), desc="ppo", leave=False)
+    for _ in range(epochs):
+        perm = torch.randperm(B, generator=generator)
+        for mb_start in range(0, B, minibatch_size):
+            bar.update()
+            mb_idx = perm[mb_start:mb_start + minibatch_size]
+            n_tokens = batch["response_mask"][mb_idx].sum().clamp(min=1)
+            acc = {}
+            for start in range(0, len(mb_idx), micro_batch_size):
+                mb, p = trim(batch, mb_idx[start:start + micro_batch_size], P)
+                mb = {k: v.to(device) for k, v in mb.items()}
+                logp, entropy = response_logprobs(policy, input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                                                  response_start=p, temperature=temperature, with_entropy=True)
+                loss, stats = ppo_loss(logprobs=logp, old_logprobs=mb["old_logprobs"], ref_logprobs=mb["ref_logprobs"],
+                                       advantages=mb["advantages"], mask=mb["response_mask"], clip=clip, kl_coef=kl_coef)
+                weight = (mb["response_mask"].sum() / n_tokens).item()  # token-mean over the whole minibatch
+                (loss * weight).backward()
+                stats["entropy"] = ((entropy * mb["response_mask"]).sum() / mb["response_mask"].sum().clamp(min=1)).item()
+                stats["loss"] = loss.item()
+                for k, v in stats.items():
+                    acc[k] = acc.get(k, 0.0) + v * weight
+            if acc["ratio"] > max_ratio or not math.isfinite(acc["loss"]):
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+                continue
+            acc["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+            for k, v in acc.items():
+                totals[k] = totals.get(k, 0.0) + v
+    bar.close()
+    out = {k: v / max(steps, 1) for k, v in totals.items()}
+    out.update(optimizer_steps=steps, skipped=skipped)
+    return out

