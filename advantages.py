@@ -4,6 +4,11 @@ Public API: gae(rewards, values, *, gamma, lam). rewards has shape (T,), values 
     delta_t = r_t + gamma * V_{t+1} - V_t,    A_t = sum_k (gamma * lam)^k delta_{t+k}
 VinePPO (paper): gamma = 1, lam = 0, so A_i = r_i + V(s_{i+1}) - V(s_i). With lam = 1, A_t = return_t - V_t.
 
+The baselines of the paper's comparison, all feeding the same PPO update (`--estimator`):
+    critic: PPO's learned value head, GAE over tokens (lam = 1: A_t = G - V_t)   -> critic_advantages
+    grpo:   one advantage per response, (r - mean) / std over the prompt's group  -> grpo_advantages
+    rloo:   one advantage per response, r minus the mean of the group's others    -> rloo_advantages
+
 Shapes: T = steps of one response, L = tokens of one response, N = all response tokens of a batch.
 """
 import torch
@@ -39,6 +44,33 @@ def vine_advantages(*, values: list[list[float]], rewards: list[float], token_st
     for v, r, token_step in zip(values, rewards, token_steps):
         step_adv = gae(step_rewards(len(v) - 1, r), torch.tensor(v, dtype=torch.float32), gamma=gamma, lam=lam)
         out.append(token_advantages(step_adv, token_step))  # (L,)
+    return out
+
+
+def critic_advantages(*, values: list[torch.Tensor], rewards: list[float], gamma: float, lam: float):
+    """Token-level GAE from the value head's V (L,) per response; the reward sits on the last token.
+    Returns (advantages, returns), lists of (L,) tensors; returns = advantages + V are the value targets."""
+    advantages, returns = [], []
+    for v, r in zip(values, rewards):
+        adv = gae(step_rewards(len(v), r), torch.cat([v, torch.zeros(1)]), gamma=gamma, lam=lam)  # (L,)
+        advantages.append(adv)
+        returns.append(adv + v)
+    return advantages, returns
+
+
+def group_baseline_advantages(*, rewards: list[float], groups: list[int], lengths: list[int], kind: str):
+    """One advantage per response, repeated over its `lengths[i]` tokens. groups[i] names response i's prompt.
+    kind "grpo": (r - group mean) / (group std + 1e-4); kind "rloo": r - mean of the other responses of the group."""
+    r = torch.tensor(rewards, dtype=torch.float32)  # (B,)
+    g = torch.tensor(groups)  # (B,)
+    out = []
+    for i in range(len(r)):
+        same = r[g == g[i]]  # the group's rewards, response i included
+        if kind == "grpo":
+            adv = (r[i] - same.mean()) / ((same.std() if len(same) > 1 else 0.0) + 1e-4)
+        else:
+            adv = r[i] - (same.sum() - r[i]) / max(len(same) - 1, 1) if len(same) > 1 else torch.tensor(0.0)
+        out.append(torch.full((lengths[i],), float(adv)))
     return out
 
 

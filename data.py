@@ -1,5 +1,8 @@
 """Datasets and prompts: each example becomes (prompt question, gold answer).
 
+arith: procedurally generated multi-step arithmetic word problems (a task the 135M model can learn on a CPU), with
+fixed train/test splits from a seed; "#### <number>" answers graded like GSM8K.
+
 Sources, in order: a local folder (`--data-dir DIR` or $VINEPPO_DATA_DIR) holding DIR/<dataset>/<split>.jsonl, else
 the Hugging Face Hub through `datasets`:
     gsm8k: openai/gsm8k "main" (train 7,473 / test 1,319); gold = the number after "####".
@@ -13,13 +16,15 @@ from pathlib import Path
 
 from grader import extract_boxed
 
-DATASETS = ("gsm8k", "math")
+DATASETS = ("gsm8k", "math", "arith")
 SPLITS = ("train", "test")
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
                  "prealgebra", "precalculus")
 
 CHAT_INSTRUCTION = {
     "gsm8k": "Solve the problem step by step. Write one step per line. "
+             "On the last line write the final answer as '#### <number>'.",
+    "arith": "Solve the problem step by step. Write one step per line. "
              "On the last line write the final answer as '#### <number>'.",
     "math": "Solve the problem step by step. Write one step per line. "
             "Put the final answer in \\boxed{...} on the last line.",
@@ -81,10 +86,19 @@ def hub_rows(*, dataset: str, split: str) -> list[dict]:
     return [row for subject in MATH_SUBJECTS for row in load_dataset("EleutherAI/hendrycks_math", subject, split="train")]
 
 
-def load_split(dataset: str, split: str, *, data_dir: str | None = None) -> list[dict]:
-    """Examples ({"question", "answer", "solution"}) of one split: from a local folder if given, else the Hub."""
+def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_ops: int = 2,
+               arith_max: int = 20, arith_size: int = 5000) -> list[dict]:
+    """Examples ({"question", "answer", "solution"}) of one split: from a local folder if given, else the Hub
+    (arith: generated; the test split is the first 500 problems of its own seed that are not in train)."""
     if dataset not in DATASETS or split not in SPLITS:
         raise SystemExit(f"error: unknown dataset/split {dataset}/{split} (choose from {DATASETS} x {SPLITS})")
+    if dataset == "arith":
+        train = make_arith(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
+        if split == "train":
+            return train
+        seen = {e["question"] for e in train}
+        return [e for e in make_arith(4 * 500, seed=1, ops=arith_ops, max_number=arith_max)
+                if e["question"] not in seen][:500]
     data_dir = data_dir or os.environ.get("VINEPPO_DATA_DIR")
     if data_dir:
         return read_jsonl(find_local_file(data_dir, dataset=dataset, split=split), dataset=dataset)
@@ -107,3 +121,44 @@ def make_prompt(question: str, *, dataset: str, tokenizer, prompt_format: str = 
     message = f"{CHAT_INSTRUCTION[dataset]}\n\nProblem: {question}"
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
+
+
+NAMES = ("Tom", "Anna", "Ben", "Lily", "Sam", "Maya", "Omar", "Nina", "Leo", "Zoe", "Ravi", "Emma")
+ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cookies", "pencils", "shells", "cards", "stamps")
+
+
+def arith_step(rng, value: int, *, max_number: int, item: str, pronoun: str) -> tuple[str, str, int]:
+    """One operation on the running value: (sentence, worked step "a op b = c", new value). Stays non-negative."""
+    kind = rng.choice(["add", "sub", "mul"] if value <= max_number else ["add", "sub"])
+    if kind == "sub" and value >= 2:
+        b = rng.randint(1, value - 1)
+        verb = rng.choice(["gives away", "loses", "uses", "sells"])
+        return f"{pronoun} {verb} {b} {item}.", f"{value} - {b} = {value - b}", value - b
+    if kind == "mul":
+        k = rng.choice([2, 3])
+        return (f"Then {pronoun.lower()} {'doubles' if k == 2 else 'triples'} the number of {item}.",
+                f"{value} * {k} = {value * k}", value * k)
+    b = rng.randint(2, max_number)
+    verb = rng.choice(["buys", "finds", "gets", "wins"])
+    return f"{pronoun} {verb} {b} more {item}.", f"{value} + {b} = {value + b}", value + b
+
+
+def make_arith(count: int, *, seed: int, ops: int, max_number: int) -> list[dict]:
+    """`count` word problems of `ops` operations (add, subtract, double/triple) on numbers up to `max_number`.
+    The gold solution has one worked step per line and ends with "#### <answer>"."""
+    import random
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(count):
+        name, item = rng.choice(NAMES), rng.choice(ITEMS)
+        pronoun = "She" if name in ("Anna", "Lily", "Maya", "Nina", "Zoe", "Emma") else "He"
+        value = rng.randint(2, max_number)
+        sentences, steps = [f"{name} has {value} {item}."], []
+        for _ in range(ops):
+            sentence, step, value = arith_step(rng, value, max_number=max_number, item=item, pronoun=pronoun)
+            sentences.append(sentence)
+            steps.append(step)
+        question = " ".join(sentences) + f" How many {item} does {name} have now?"
+        examples.append({"question": question, "answer": str(value),
+                         "solution": "\n".join(steps) + f"\n#### {value}"})
+    return examples

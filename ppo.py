@@ -6,6 +6,8 @@
 
 The KL term is in the loss, not the reward (paper: kl_coef = 1e-4). Log-probs use logits / sampling temperature.
 A minibatch whose mean ratio exceeds `max_ratio` (10) is skipped: its samples are too far off-policy to trust.
+With a value head (the PPO-critic baseline), vf_coef x the clipped value loss is added:
+    value_loss = 0.5 * max((V - G)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - G)^2)
 
 Shapes: B = episodes, P = prompt columns (left-padded), R = response columns (right-padded), T = P + R.
 """
@@ -38,6 +40,17 @@ def ppo_loss(*, logprobs, old_logprobs, ref_logprobs, advantages, mask, clip: fl
     return loss, {k: v.item() for k, v in stats.items()}
 
 
+def value_loss(*, values, old_values, returns, mask, value_clip: float):
+    """Clipped value loss averaged over response tokens; all inputs (B, R). Returns (loss, stats)."""
+    mask = mask.float()
+    n = mask.sum().clamp(min=1)
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)  # (B, R)
+    loss = 0.5 * (torch.max((values - returns) ** 2, (clipped - returns) ** 2) * mask).sum() / n
+    with torch.no_grad():
+        clipfrac = (((values - old_values).abs() > value_clip).float() * mask).sum() / n
+    return loss, {"value_loss": loss.item(), "value_clipfrac": clipfrac.item()}
+
+
 def pad_episodes(prompts: list[list[int]], responses: list[list[int]], *, pad_id: int):
     """Left-pad prompts to P and right-pad responses to R. Returns input_ids, attention_mask (B, T), response_mask
     (B, R) and P."""
@@ -68,25 +81,32 @@ def trim(batch: dict, idx: torch.Tensor, P: int) -> tuple[dict, int]:
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """(B, R) log-probs of every response token under `model` (no grad), computed micro-batch by micro-batch."""
-    out = torch.zeros(batch["response_mask"].shape)
-    for start in range(0, len(out), micro_batch_size):
-        idx = torch.arange(start, min(start + micro_batch_size, len(out)))
+def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batch_size: int, value_head=None):
+    """Log-probs (B, R) of every response token under `model` (no grad), micro-batch by micro-batch, and the
+    value head's predictions (B, R) when one is given (else None)."""
+    device = next(model.parameters()).device
+    logprobs = torch.zeros(batch["response_mask"].shape)
+    values = torch.zeros(batch["response_mask"].shape) if value_head is not None else None
+    for start in range(0, len(logprobs), micro_batch_size):
+        idx = torch.arange(start, min(start + micro_batch_size, len(logprobs)))
         mb, p = trim(batch, idx, P)
-        logp, _ = response_logprobs(model, input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                                    response_start=p, temperature=temperature)
-        out[idx, :logp.shape[1]] = logp.float().cpu()
-    return out
+        logp, _, v = response_logprobs(model, input_ids=mb["input_ids"].to(device),
+                                       attention_mask=mb["attention_mask"].to(device), response_start=p,
+                                       temperature=temperature, value_head=value_head)
+        logprobs[idx, :logp.shape[1]] = logp.float().cpu()
+        if values is not None:
+            values[idx, :v.shape[1]] = v.float().cpu()
+    return logprobs, values
 
 
 def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, epochs: int, minibatch_size: int,
                micro_batch_size: int, clip: float, kl_coef: float, temperature: float, max_grad_norm: float = 1.0,
-               max_ratio: float = 10.0, generator: torch.Generator | None = None) -> dict:
+               max_ratio: float = 10.0, value_head=None, vf_coef: float = 0.1, value_clip: float = 0.2,
+               generator: torch.Generator | None = None) -> dict:
     """Epochs x minibatches of clipped PPO steps, with gradient accumulation over micro-batches.
 
-    batch: input_ids, attention_mask (B, T); response_mask, old_logprobs, ref_logprobs, advantages (B, R).
-    Returns mean stats over the optimizer steps taken, and `skipped` minibatches.
+    batch: input_ids, attention_mask (B, T); response_mask, old_logprobs, ref_logprobs, advantages (B, R); with a
+    value head also old_values and returns (B, R). Returns mean stats over the optimizer steps taken, and `skipped`.
     """
     device = next(policy.parameters()).device
     policy.train()
@@ -102,10 +122,16 @@ def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, epochs: int
             for start in range(0, len(mb_idx), micro_batch_size):
                 mb, p = trim(batch, mb_idx[start:start + micro_batch_size], P)
                 mb = {k: v.to(device) for k, v in mb.items()}
-                logp, entropy = response_logprobs(policy, input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                                                  response_start=p, temperature=temperature, with_entropy=True)
+                logp, entropy, values = response_logprobs(
+                    policy, input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], response_start=p,
+                    temperature=temperature, with_entropy=True, value_head=value_head)
                 loss, stats = ppo_loss(logprobs=logp, old_logprobs=mb["old_logprobs"], ref_logprobs=mb["ref_logprobs"],
                                        advantages=mb["advantages"], mask=mb["response_mask"], clip=clip, kl_coef=kl_coef)
+                if value_head is not None:
+                    v_loss, v_stats = value_loss(values=values, old_values=mb["old_values"], returns=mb["returns"],
+                                                 mask=mb["response_mask"], value_clip=value_clip)
+                    loss = loss + vf_coef * v_loss
+                    stats.update(v_stats)
                 weight = (mb["response_mask"].sum() / n_tokens).item()  # token-mean over the whole minibatch
                 (loss * weight).backward()
                 stats["entropy"] = ((entropy * mb["response_mask"]).sum() / mb["response_mask"].sum().clamp(min=1)).item()
@@ -116,7 +142,8 @@ def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, epochs: int
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
-            acc["grad_norm"] = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            acc["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)

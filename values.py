@@ -134,6 +134,24 @@ def token_step_index(n_tokens: int, starts: list[int]) -> list[int]:
     return index
 
 
+def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], prompt_lens: list[int],
+                answers: list[str], dataset: str, K: int, temperature: float, top_p: float, max_new_tokens: int,
+                seed: int = 0) -> tuple[list[list[float]], int]:
+    """The 0/1 rewards of K continuations of every state sequences[i][:prefix_lens[i]] (the first prompt_lens[i]
+    tokens being the prompt), and the number of tokens sampled. Each continuation is graded as a whole response,
+    prefix included; one cut by the length limit (max_new_tokens for the whole response) scores 0."""
+    budgets = [max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)]
+    vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
+                                    max_new_tokens=budgets, seed=seed) if sequences else []
+    scores, tokens = [], 0
+    for seq, L, p, answer, samples in zip(sequences, prefix_lens, prompt_lens, answers, vines):
+        texts = sampler.tokenizer.batch_decode([seq[p:L] + v.token_ids for v in samples], skip_special_tokens=True)
+        scores.append([grade(text, answer, dataset=dataset, truncated=not v.finished)
+                       for text, v in zip(texts, samples)])
+        tokens += sum(len(v.token_ids) for v in samples)
+    return scores, tokens
+
+
 def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]],
                     rewards: list[float], answers: list[str], dataset: str, K: int, temperature: float, top_p: float,
                     max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0):
@@ -155,17 +173,11 @@ def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[i
     order = sorted(owner)
     sequences = [prompts[owner[s][0]] + responses[owner[s][0]] for s in order]
     prefix_lens = [owner[s][1] for s in order]
-    budgets = [max_new_tokens - (L - len(prompts[owner[s][0]])) for s, L in zip(order, prefix_lens)]
-    vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
-                                    max_new_tokens=budgets, seed=seed) if order else []
-    value, vine_tokens = {}, 0
-    for s, seq, L, samples in zip(order, sequences, prefix_lens, vines):
-        i = owner[s][0]
-        prefix = seq[len(prompts[i]):L]
-        texts = sampler.tokenizer.batch_decode([prefix + v.token_ids for v in samples], skip_special_tokens=True)
-        scores = [grade(text, answers[i], dataset=dataset, truncated=not v.finished) for text, v in zip(texts, samples)]
-        value[s] = sum(scores) / len(scores)
-        vine_tokens += sum(len(v.token_ids) for v in samples)
+    scores, vine_tokens = mc_rollouts(sampler=sampler, sequences=sequences, prefix_lens=prefix_lens,
+                                      prompt_lens=[len(prompts[owner[s][0]]) for s in order],
+                                      answers=[answers[owner[s][0]] for s in order], dataset=dataset, K=K,
+                                      temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    value = {s: sum(sc) / len(sc) for s, sc in zip(order, scores)}
     values = []
     for i, states in enumerate(state_of):
         estimated = [value[s] for s in states]

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from advantages import gae, step_rewards, token_advantages, vine_advantages, whiten
+from advantages import (critic_advantages, gae, group_baseline_advantages, step_rewards, token_advantages,
+                        vine_advantages, whiten)
 
 
 def reference_gae(rewards, values, gamma, lam):
@@ -47,3 +48,24 @@ def test_whiten():
     flat = torch.cat(out)
     assert abs(flat.mean().item()) < 1e-6 and abs(flat.std().item() - 1) < 1e-5
     assert torch.cat(whiten([torch.zeros(3)])).abs().max() == 0  # all-zero advantages stay zero
+
+
+def test_grpo_and_rloo_one_advantage_per_response():
+    rewards, groups, lengths = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0], [0, 0, 0, 0, 1, 1], [2, 3, 1, 2, 2, 1]
+    grpo = group_baseline_advantages(rewards=rewards, groups=groups, lengths=lengths, kind="grpo")
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()  # group 0: mean 0.5
+    assert [len(a) for a in grpo] == lengths
+    assert grpo[0].tolist() == pytest.approx([0.5 / (std + 1e-4)] * 2) and grpo[1][0] == pytest.approx(-0.5 / (std + 1e-4))
+    assert grpo[4].tolist() == [0.0, 0.0]  # all right: no signal
+    rloo = group_baseline_advantages(rewards=rewards, groups=groups, lengths=lengths, kind="rloo")
+    assert rloo[0].tolist() == pytest.approx([1 - 1 / 3] * 2) and rloo[1][0] == pytest.approx(0 - 2 / 3)
+    assert rloo[5].tolist() == [0.0]
+
+
+def test_critic_advantages_lambda_one_is_return_minus_value():
+    values = [torch.tensor([0.2, 0.4, 0.9])]
+    adv, ret = critic_advantages(values=values, rewards=[1.0], gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv[0], torch.tensor([0.8, 0.6, 0.1]))
+    torch.testing.assert_close(ret[0], torch.ones(3))  # the value targets: the return, 1 at every token
+    adv0, _ = critic_advantages(values=values, rewards=[1.0], gamma=1.0, lam=0.0)
+    torch.testing.assert_close(adv0[0], torch.tensor([0.2, 0.5, 0.1]))  # one-step TD over tokens

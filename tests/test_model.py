@@ -63,7 +63,7 @@ def test_response_logprobs_matches_direct_computation(smol):
     mask = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
     temperature = 0.6
     with torch.no_grad():
-        logprobs, entropy = response_logprobs(model, input_ids=torch.tensor(rows), attention_mask=torch.tensor(mask),
+        logprobs, entropy, _ = response_logprobs(model, input_ids=torch.tensor(rows), attention_mask=torch.tensor(mask),
                                               response_start=P, temperature=temperature, with_entropy=True)
         for i, (p, r) in enumerate(zip(prompts, responses)):
             logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1] / temperature  # no padding at all

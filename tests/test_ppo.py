@@ -1,6 +1,7 @@
 """ppo_loss against a direct per-token computation, padding helpers, and one real update step."""
 import math
 
+import pytest
 import torch
 
 from ppo import pad_episodes, pad_rows, ppo_loss, ppo_update, trim
@@ -67,12 +68,24 @@ def test_ppo_update_raises_logprob_of_advantaged_response(smol):
     batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp,
              "advantages": pad_rows([torch.ones(len(good)), -torch.ones(len(bad))], resp.shape[1])}
     batch["old_logprobs"] = batch["ref_logprobs"] = batch_logprobs(policy, batch, P, temperature=1.0,
-                                                                   micro_batch_size=1)
+                                                                   micro_batch_size=1)[0]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     stats = ppo_update(policy, optimizer, scheduler, batch, P, epochs=1, minibatch_size=2, micro_batch_size=1,
                        clip=0.2, kl_coef=1e-4, temperature=1.0)
-    after = batch_logprobs(policy, batch, P, temperature=1.0, micro_batch_size=2)
+    after = batch_logprobs(policy, batch, P, temperature=1.0, micro_batch_size=2)[0]
     assert stats["optimizer_steps"] == 1 and stats["skipped"] == 0 and stats["ratio"] == 1.0
     change = ((after - batch["old_logprobs"]) * resp).sum(1)  # change of each response's total log-prob
     assert change[0] > 0 > change[1]
+
+
+def test_value_loss_is_clipped_like_ppo():
+    from ppo import value_loss
+    old = torch.tensor([[0.5, 0.5]])
+    values = torch.tensor([[0.9, 0.55]], requires_grad=True)  # first moved beyond the 0.2 clip range, second within
+    returns = torch.tensor([[1.0, 0.0]])
+    loss, stats = value_loss(values=values, old_values=old, returns=returns, mask=torch.ones(1, 2), value_clip=0.2)
+    # token 1: max((0.9-1)^2, (0.7-1)^2) = 0.09; token 2: max(0.55^2, 0.55^2) = 0.3025 -> 0.5 * mean
+    assert loss.item() == pytest.approx(0.5 * (0.09 + 0.3025) / 2) and stats["value_clipfrac"] == 0.5
+    loss.backward()
+    assert values.grad[0, 0] == 0  # the clipped branch is the max: no gradient through the moved value

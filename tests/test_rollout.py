@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rollout import HFSampler, Sample, cut_at_stop
+from rollout import GenerateSampler, HFSampler, Sample, cut_at_stop, gumbel, sample_tokens
 
 
 def reference_greedy(model, prompt, steps, stop_ids):
@@ -70,3 +70,74 @@ def test_cut_at_stop():
     assert cut_at_stop([1, 4, 1], tokenizer=tok, stop_ids={0}, stop_strings=[], limit=2) == Sample([1, 4], "ab", False)
     cut = cut_at_stop([1, 2, 3, 4], tokenizer=tok, stop_ids={0}, stop_strings=["\n\n\nProblem:"], limit=10)
     assert cut == Sample([1, 2, 3], "a\n\n\nProblem:", True)
+
+
+def test_prefix_reuse_gives_the_same_tokens_as_fresh_prefill(smol, prompts):
+    """Vines from a copied KV cache equal vines from their own prefill: greedy, and sampled with the same seed."""
+    model, tokenizer = smol
+    seq = prompts[0] + tokenizer("12 + 30 = 42.\nSo the answer is 42.", add_special_tokens=False).input_ids
+    lens = [len(prompts[0]), len(prompts[0]) + 4, len(prompts[0]) + 9]
+    reuse, fresh = HFSampler(model, tokenizer), HFSampler(model, tokenizer, reuse_prefixes=False)
+    for temperature in (0.0, 0.6):
+        a = reuse.sample_prefixes([seq] * 3, lens, n=3, temperature=temperature, top_p=0.9, max_new_tokens=10, seed=5)
+        b = fresh.sample_prefixes([seq] * 3, lens, n=3, temperature=temperature, top_p=0.9, max_new_tokens=10, seed=5)
+        assert [[s.token_ids for s in g] for g in a] == [[s.token_ids for s in g] for g in b]
+    small_prefills = HFSampler(model, tokenizer, prefill_tokens=1)  # one sequence per prefill pass, narrower ones too
+    mixed = ([seq, prompts[1], seq], [lens[0], len(prompts[1]), lens[2]])
+    c = small_prefills.sample_prefixes(*mixed, n=2, temperature=0.6, top_p=0.9, max_new_tokens=10, seed=5)
+    d = fresh.sample_prefixes(*mixed, n=2, temperature=0.6, top_p=0.9, max_new_tokens=10, seed=5)
+    assert [[s.token_ids for s in g] for g in c] == [[s.token_ids for s in g] for g in d]
+    greedy = reuse.sample_prefixes([seq] * 3, lens, n=1, temperature=0.0, top_p=1.0, max_new_tokens=6)
+    for L, group in zip(lens, greedy):
+        assert group[0].token_ids == reference_greedy(model, seq[:L], 6, reuse.stop_ids)
+
+
+def test_rows_sample_the_same_whatever_shares_their_batch(smol, prompts):
+    """Finished rows leave the batch and batches are regrouped; a row's tokens must not depend on either."""
+    model, tokenizer = smol
+    kwargs = dict(n=2, temperature=0.6, top_p=0.9, max_new_tokens=[3, 20, 12], seed=9)
+    small = HFSampler(model, tokenizer, batch_size=2).sample(prompts, **kwargs)
+    big = HFSampler(model, tokenizer, batch_size=64).sample(prompts, **kwargs)
+    alone = HFSampler(model, tokenizer).sample(prompts[:1], **{**kwargs, "max_new_tokens": 3})  # same row keys
+    assert [[s.token_ids for s in g] for g in small] == [[s.token_ids for s in g] for g in big]
+    assert [s.token_ids for s in alone[0]] == [s.token_ids for s in big[0]]
+    assert all(len(s.token_ids) <= 3 for s in big[0]) and any(len(s.token_ids) > 3 for s in big[1])
+
+
+def test_gumbel_noise_is_a_pure_function_and_uniform():
+    rows, ids = torch.arange(4), torch.arange(1000).expand(4, -1)
+    a = gumbel(seed=1, rows=rows, step=3, token_ids=ids)
+    assert torch.equal(a, gumbel(seed=1, rows=rows, step=3, token_ids=ids))
+    assert torch.equal(a[2:], gumbel(seed=1, rows=rows[2:], step=3, token_ids=ids[2:]))  # independent of batch
+    assert not torch.equal(a, gumbel(seed=2, rows=rows, step=3, token_ids=ids))
+    assert not torch.equal(a, gumbel(seed=1, rows=rows, step=4, token_ids=ids))
+    u = torch.exp(-torch.exp(-a.double()))  # back to uniforms
+    assert abs(u.mean().item() - 0.5) < 0.02 and abs(u.var().item() - 1 / 12) < 0.005
+    counts = torch.histc(u.float(), bins=10, min=0, max=1)
+    assert counts.min() > 300 and counts.max() < 500  # 4000 draws, 400 expected per bin
+
+
+@pytest.mark.parametrize("vocab, top_p", [(50, 0.9), (300, 0.9), (300, 1.0)])
+def test_top_p_sampling_matches_the_nucleus_distribution(vocab, top_p):
+    """Empirical frequencies over many rows equal the renormalised nucleus probabilities. vocab 300 with flat-ish
+    logits needs more than the 64 first candidates, which exercises the full-sort fallback."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(vocab, generator=g) * (3.0 if vocab == 50 else 0.3)
+    probs = torch.softmax(logits / 0.7, -1)
+    order = probs.argsort(descending=True)
+    keep = torch.zeros(vocab, dtype=torch.bool)
+    keep[order[(probs[order].cumsum(0) - probs[order]) < top_p]] = True
+    nucleus = torch.where(keep, probs, 0.0) / probs[keep].sum()
+    rows = 20000
+    tokens = sample_tokens(logits.expand(rows, -1), temperature=0.7, top_p=top_p, seed=0, rows=torch.arange(rows),
+                           step=0)
+    freq = torch.bincount(tokens, minlength=vocab).float() / rows
+    assert freq[~keep].sum() == 0
+    assert (freq - nucleus).abs().max() < 4 * (nucleus.max() / rows) ** 0.5 + 1e-3
+
+
+def test_generate_sampler_still_works(smol, prompts):
+    model, tokenizer = smol
+    out = GenerateSampler(model, tokenizer).sample(prompts[:2], n=1, temperature=0.0, top_p=1.0, max_new_tokens=8)
+    for prompt, group in zip(prompts, out):
+        assert group[0].token_ids == reference_greedy(model, prompt, 8, HFSampler(model, tokenizer).stop_ids)

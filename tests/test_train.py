@@ -17,7 +17,7 @@ def test_config_defaults_and_derived_values():
     assert (cfg.k, cfg.temperature, cfg.top_p, cfg.gamma, cfg.lam, cfg.clip, cfg.kl_coef, cfg.lr, cfg.epochs) == (
         9, 0.6, 0.9, 1.0, 0.0, 0.2, 1e-4, 1e-6, 2)
     assert (cfg.prompts_per_iter, cfg.samples_per_prompt, cfg.max_new_tokens) == (4, 4, 192)  # CPU sizes
-    assert cfg.iterations == 1000 and cfg.max_value_steps == 0 and cfg.out_dir == "runs/math-k9-s0"
+    assert cfg.iterations == 1000 and cfg.max_value_steps == 0 and cfg.out_dir == "runs/math-vine-k9-s0"
     assert parse_config(["--device", "cpu"]).max_value_steps == 25
     assert parse_config(["--no-whiten", "--k", "3"]).whiten is False
 
@@ -80,3 +80,19 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path, data_dir, smol_path):
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 130, log
     assert (out / "latest").read_text() == "ckpt-000000" and (out / "ckpt-000000" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("estimator", ["critic", "grpo"])
+def test_baseline_estimators_run_in_the_same_loop(tmp_path, smol_path, estimator):
+    """One iteration on arith with the critic and with GRPO; the critic's value head is checkpointed and resumed."""
+    out = tmp_path / estimator
+    cmd = [sys.executable, "train.py", "--dataset", "arith", "--estimator", estimator, "--iterations", "1",
+           "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--max-new-tokens", "32", "--eval-size", "2",
+           "--eval-samples", "1", "--out-dir", str(out), "--sampler", "hf", "--time-budget", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True, capture_output=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "time budget of 1s reached after 1 iterations" in proc.stdout
+    record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert "vines" not in record and record["optimizer_steps"] >= 1
+    assert ("value_loss" in record) == (estimator == "critic")
+    assert (out / "ckpt-000001" / "value_head.pt").exists() == (estimator == "critic")

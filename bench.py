@@ -1,0 +1,172 @@
+"""Sampler benchmark: our decode loop (rollout.HFSampler) against transformers `generate`, and the VinePPO pattern.
+
+    python bench.py                      # a few minutes on a 2-core CPU
+    python bench.py --batches 1,8,64     # a subset
+
+1. The limit. A generated token costs one pass through every weight matrix (~0.27 GFLOP for SmolLM2-135M). We time
+   exactly those matmuls at batch b on this machine; limit(b) = b / (time of one decode step's matmuls). It leaves
+   out attention, whose KV-cache reads are memory-bound; the matching floor at the measured read bandwidth is printed.
+2. Throughput: b distinct prompts of --prompt-len tokens, --new-tokens each (EOS ignored, so every row generates
+   exactly that many), T = 0.6, top_p = 0.9, for `generate` and ours. "decode" tok/s counts the generation phase
+   only (from the first sampled token on; the prompt's prefill excluded): that is what the limit describes. "e2e"
+   includes the prefill of the prompts (the same FLOPs per prompt token as per generated token).
+3. The VinePPO pattern: 8 responses of ~250 tokens, 4 steps each, K = 8 vines of 64 tokens per state.
+   naive = every vine prefilled from scratch; reuse = sample_prefixes (one prefill per response, KV copied).
+   reuse_overhead = reuse time / the time spent generating the vine tokens themselves (its decode phase, attending
+   to their prefixes), i.e. what setting up the prefixes adds. Also printed: the same vine tokens generated from a
+   1-token prompt, without any prefix to attend to.
+The last line: speedup_b64=<ours/generate, decode, at 64> frac_b256=<ours decode/limit at 256>
+reuse_overhead=<reuse/vine-token generation> reuse_vs_naive=<naive/reuse>.
+"""
+import argparse
+import os
+import time
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from data import load_split, make_prompt
+from model import DEFAULT_MODEL, load_model, load_tokenizer
+from rollout import HFSampler
+
+
+def best_time(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_gflops(m: int, k: int, n: int) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    reps = max(1, int(2e9 / (2 * m * k * n)))  # about 2 GFLOP per timing
+    seconds = best_time(lambda: [torch.mm(a, b) for _ in range(reps)])
+    return 2 * m * k * n * reps / seconds / 1e9
+
+
+def decode_step_matmul_seconds(model, batch: int) -> tuple[float, float]:
+    """(seconds, GFLOP) of one decode step's weight matmuls at `batch` rows: every Linear of every layer + lm_head."""
+    shapes = [tuple(m.weight.shape) for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    layer = sum(2 * batch * i * o / (matmul_gflops(batch, i, o) * 1e9) for o, i in shapes)
+    head_out, head_in = model.lm_head.weight.shape
+    head = 2 * batch * head_in * head_out / (matmul_gflops(batch, head_in, head_out) * 1e9)
+    flops = 2 * batch * (len(model.model.layers) * sum(o * i for o, i in shapes) + head_in * head_out) / 1e9
+    return len(model.model.layers) * layer + head, flops
+
+
+def bench_prompts(tokenizer, count: int, length: int, data_dir) -> list[list[int]]:
+    """`count` distinct prompts of exactly `length` tokens, cut from real GSM8K chat prompts."""
+    questions = [e["question"] for e in load_split("gsm8k", "train", data_dir=data_dir)]
+    prompts, i = [], 0
+    while len(prompts) < count:
+        text, ids = "", []
+        while len(ids) < length:
+            text, i = text + " " + questions[i], i + 1
+            ids = tokenizer(make_prompt(text, dataset="gsm8k", tokenizer=tokenizer), add_special_tokens=False).input_ids
+        prompts.append(ids[-length:])  # keep the end: the prompt still closes with the assistant tag
+    return prompts
+
+
+class FirstTokenClock(LogitsProcessor):
+    """Notes when `generate` first asks for logits processing: the prompt's prefill is done then."""
+    def __init__(self):
+        self.first = None
+
+    def __call__(self, input_ids, scores):
+        self.first = self.first or time.perf_counter()
+        return scores
+
+
+def run_generate(model, prompts, new_tokens: int) -> tuple[float, float]:
+    """(total seconds, seconds from the first sampled token on)."""
+    ids, clock = torch.tensor(prompts), FirstTokenClock()
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.6,
+                       top_p=0.9, top_k=None, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+    end = time.perf_counter()
+    return end - start, end - clock.first
+
+
+def run_ours(sampler, prompts, new_tokens: int) -> tuple[float, float]:
+    """(total seconds, seconds of the decode loop)."""
+    start = time.perf_counter()
+    sampler.sample(prompts, n=1, temperature=0.6, top_p=0.9, max_new_tokens=new_tokens, seed=0)
+    return time.perf_counter() - start, sampler.timing["decode_s"]
+
+
+def read_bandwidth() -> float:
+    """GB/s of streaming a 1 GiB tensor: what the attention's KV-cache reads run against."""
+    x = torch.ones(2 ** 28)
+    return 4 * x.numel() / best_time(lambda: x.sum()) / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--data-dir", default=os.environ.get("VINEPPO_DATA_DIR", "../shared/data"))
+    parser.add_argument("--batches", default="1,8,32,64,256")
+    parser.add_argument("--prompt-len", type=int, default=167)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer(args.model)
+    model = load_model(args.model, device=torch.device("cpu"), dtype=torch.float32, frozen=True)
+    sampler = HFSampler(model, tokenizer, batch_size=256)
+    sampler.stop_ids = set()  # no EOS: every row generates exactly the tokens asked for
+    print(f"threads {args.threads}; matmul 1024^3: {matmul_gflops(1024, 1024, 1024):.0f} GFLOP/s", flush=True)
+
+    bandwidth, cfg = read_bandwidth(), model.config
+    kv_bytes_per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
+        cfg.hidden_size // cfg.num_attention_heads) * 4
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    results = {}
+    for b in [int(x) for x in args.batches.split(",")]:
+        step_seconds, gflop = decode_step_matmul_seconds(model, b)
+        limit = b / step_seconds
+        context = args.prompt_len + args.new_tokens / 2  # mean positions attended per generated token
+        floor = b / (step_seconds + b * context * kv_bytes_per_position / (bandwidth * 1e9))
+        prompts = bench_prompts(tokenizer, b, args.prompt_len, args.data_dir)
+        tokens = b * args.new_tokens
+        gen_total, gen_decode = run_generate(model, prompts, args.new_tokens)
+        ours_total, ours_decode = run_ours(sampler, prompts, args.new_tokens)
+        gen, ours = tokens / gen_decode, tokens / ours_decode
+        results[b] = (gen, ours, limit)
+        print(f"batch {b:4d}: limit {limit:6.1f} tok/s ({gflop / b:.3f} GFLOP/token at {gflop / step_seconds:5.1f} "
+              f"GFLOP/s; with KV reads {floor:6.1f}) | decode: generate {gen:6.1f} ({gen / limit:4.0%}), ours "
+              f"{ours:6.1f} ({ours / limit:4.0%}), {ours / gen:4.2f}x | e2e: generate {tokens / gen_total:6.1f}, "
+              f"ours {tokens / ours_total:6.1f}, {gen_total / ours_total:4.2f}x", flush=True)
+
+    # The VinePPO pattern: 8 responses x 4 states x K = 8 vines x 64 tokens.
+    K, vine_tokens, starts = 8, 64, [0, 62, 125, 187]
+    prompts = bench_prompts(tokenizer, 8, args.prompt_len, args.data_dir)
+    filler = tokenizer(" ".join(e["solution"] for e in load_split("gsm8k", "test", data_dir=args.data_dir)[:40]),
+                       add_special_tokens=False).input_ids
+    sequences = [p + filler[i * 250:(i + 1) * 250] for i, p in enumerate(prompts)]
+    seqs = [s for s in sequences for _ in starts]
+    lens = [len(p) + st for p in prompts for st in starts]
+    kwargs = dict(temperature=0.6, top_p=0.9, max_new_tokens=vine_tokens, seed=0)
+    reuse = best_time(lambda: sampler.sample_prefixes(seqs, lens, n=K, **kwargs), repeats=1)
+    reuse_decode = sampler.timing["decode_s"]
+    sampler.reuse_prefixes = False  # every vine prefilled from scratch
+    naive = best_time(lambda: sampler.sample([s[:L] for s, L in zip(seqs, lens) for _ in range(K)], n=1, **kwargs),
+                      repeats=1)
+    sampler.reuse_prefixes = True
+    alone = best_time(lambda: sampler.sample([[s[0]] for s in seqs], n=K, **kwargs), repeats=1)
+    total = len(seqs) * K * vine_tokens
+    print(f"vine pattern ({len(seqs)} states x K={K} x {vine_tokens} tokens = {total} tokens): naive {naive:.1f}s, "
+          f"prefix reuse {reuse:.1f}s of which generating the vine tokens {reuse_decode:.1f}s; the same tokens from a "
+          f"1-token prompt (nothing to attend to) {alone:.1f}s, reuse / that = {reuse / alone:.2f}", flush=True)
+    line = f"reuse_overhead={reuse / reuse_decode:.2f} reuse_vs_naive={naive / reuse:.2f}"
+    if 64 in results and 256 in results:
+        line = f"speedup_b64={results[64][1] / results[64][0]:.2f} frac_b256={results[256][1] / results[256][2]:.2f} " + line
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

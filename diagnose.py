@@ -1,0 +1,162 @@
+"""Value-prediction error (the paper's Fig. 3): how close are VinePPO's K-sample MC values, and a PPO critic's
+predictions, to the true value of a state under the same policy?
+
+    python diagnose.py --checkpoint runs/arith-critic-k9-s0/ckpt-000020 --dataset arith --pairs 10
+
+1. From test problems, sample a response with the checkpoint's policy, cut it at a step boundary (the parent state)
+   and sample two continuations from there; the state after each one's first step is a *sibling*: two candidate
+   next steps from the same parent.
+2. Ground truth: V = mean reward of --ground-truth (256) continuations from each state.
+3. Estimates: VinePPO with K in --ks (1, 3, 9), from fresh continuations; and, when the checkpoint has a value head
+   (a `--estimator critic` run), the critic's prediction.
+4. Report each estimator's mean absolute error (the MC one also in expectation: E|Binomial(K, V)/K - V|) and how
+   often it orders the two siblings of a pair like the ground truth does (pairs whose true values differ by at least
+   0.05). Writes value_error.json and value_error.png into --out.
+"""
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+
+import torch
+
+from data import load_split, make_prompt
+from model import load_model, load_tokenizer
+from rollout import HFSampler
+from values import mc_rollouts, split_steps, step_token_starts
+
+
+def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, max_new_tokens: int,
+                   temperature: float, top_p: float, seed: int) -> list[dict]:
+    """Pairs of sibling states [{"prompt", "prefix", "answer", "pair"}], two per pair, from sampled responses."""
+    rng, states = random.Random(seed), []
+    for number, example in enumerate(examples):
+        if len(states) >= 2 * pairs:
+            break
+        prompt = tokenizer(make_prompt(example["question"], dataset=dataset, tokenizer=tokenizer),
+                           add_special_tokens=False).input_ids
+        response = sampler.sample([prompt], n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                  seed=seed + number)[0][0]
+        starts = step_token_starts(response.token_ids, response.text, tokenizer=tokenizer, dataset=dataset)
+        if len(starts) < 2:
+            continue
+        parent = response.token_ids[:rng.choice(starts[:-1])]
+        continuations = sampler.sample_prefixes([prompt + parent], [len(prompt) + len(parent)], n=2,
+                                                temperature=temperature, top_p=top_p,
+                                                max_new_tokens=max_new_tokens - len(parent), seed=seed + 10_000 + number)[0]
+        firsts = []
+        for c in continuations:
+            c_starts = step_token_starts(c.token_ids, c.text, tokenizer=tokenizer, dataset=dataset)
+            if len(c_starts) >= 2 and len(split_steps(c.text, dataset=dataset)) >= 2:
+                firsts.append(c.token_ids[:c_starts[1]])
+        if len(firsts) == 2 and firsts[0] != firsts[1]:
+            for first in firsts:
+                states.append({"prompt": prompt, "prefix": parent + first, "answer": example["answer"],
+                               "pair": len(states) // 2})
+    return states
+
+
+def expected_mc_error(value: float, K: int) -> float:
+    """E|X/K - v| for X ~ Binomial(K, v): the mean absolute error of a K-sample MC value."""
+    return sum(math.comb(K, x) * value ** x * (1 - value) ** (K - x) * abs(x / K - value) for x in range(K + 1))
+
+
+@torch.no_grad()
+def critic_values(model, value_head, states: list[dict]) -> list[float]:
+    """The value head's V of each state: its prediction at the state's last token."""
+    out = []
+    for s in states:
+        ids = torch.tensor([s["prompt"] + s["prefix"]])
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
+        out.append(value_head(hidden).item())
+    return out
+
+
+def ranking_accuracy(estimates: list[float], truth: list[float], *, margin: float = 0.05) -> float | None:
+    """Share of sibling pairs (consecutive states) ordered like the truth; ties count half. None if no pair."""
+    scores = []
+    for a in range(0, len(truth) - 1, 2):
+        if abs(truth[a] - truth[a + 1]) >= margin:
+            diff = (estimates[a] - estimates[a + 1]) * (truth[a] - truth[a + 1])
+            scores.append(1.0 if diff > 0 else 0.5 if estimates[a] == estimates[a + 1] else 0.0)
+    return sum(scores) / len(scores) if scores else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a ckpt-* folder of train.py (or any model spec)")
+    parser.add_argument("--dataset", default="arith", choices=["gsm8k", "math", "arith"])
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--arith-ops", type=int, default=2)
+    parser.add_argument("--arith-max", type=int, default=20)
+    parser.add_argument("--pairs", type=int, default=10, help="sibling pairs (states = 2 x pairs)")
+    parser.add_argument("--ground-truth", type=int, default=256, help="continuations per state for the true value")
+    parser.add_argument("--ks", default="1,3,9", help="K values of the MC estimates")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="diagnostics")
+    args = parser.parse_args()
+    ks = sorted(int(k) for k in args.ks.split(","))
+    tokenizer = load_tokenizer(args.checkpoint)
+    model = load_model(args.checkpoint, device=torch.device("cpu"), dtype=torch.float32, frozen=True)
+    sampler = HFSampler(model, tokenizer)
+    examples = load_split(args.dataset, "test", data_dir=args.data_dir, arith_ops=args.arith_ops,
+                          arith_max=args.arith_max)
+    states = sibling_states(sampler, tokenizer, examples, dataset=args.dataset, pairs=args.pairs,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            seed=args.seed)
+    rollout = dict(sampler=sampler, sequences=[s["prompt"] + s["prefix"] for s in states],
+                   prefix_lens=[len(s["prompt"]) + len(s["prefix"]) for s in states],
+                   prompt_lens=[len(s["prompt"]) for s in states], answers=[s["answer"] for s in states],
+                   dataset=args.dataset, temperature=args.temperature, top_p=args.top_p,
+                   max_new_tokens=args.max_new_tokens)
+    truth_scores, _ = mc_rollouts(K=args.ground_truth, seed=args.seed + 1, **rollout)
+    mc_scores, _ = mc_rollouts(K=max(ks), seed=args.seed + 2, **rollout)  # fresh samples, independent of the truth
+    truth = [sum(s) / len(s) for s in truth_scores]
+    estimates = {f"vine K={k}": [sum(s[:k]) / k for s in mc_scores] for k in ks}
+    head_path = Path(args.checkpoint) / "value_head.pt"
+    if head_path.exists():
+        head = torch.nn.Linear(model.config.hidden_size, 1)
+        head.load_state_dict(torch.load(head_path))
+        estimates["critic"] = critic_values(model, head, states)
+    summary = {name: {"mae": sum(abs(e - t) for e, t in zip(est, truth)) / len(truth),
+                      "ranking_accuracy": ranking_accuracy(est, truth)} for name, est in estimates.items()}
+    for k in ks:
+        summary[f"vine K={k}"]["expected_mae"] = sum(expected_mc_error(t, k) for t in truth) / len(truth)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"checkpoint": args.checkpoint, "states": len(states), "ground_truth_samples": args.ground_truth,
+              "summary": summary, "per_state": [{"pair": s["pair"], "truth": t, **{n: e[i] for n, e in estimates.items()}}
+                                                for i, (s, t) in enumerate(zip(states, truth))]}
+    (out / "value_error.json").write_text(json.dumps(report, indent=1))
+    plot_summary(summary, out / "value_error.png", title=f"{len(states)} states, truth = {args.ground_truth} samples")
+    for name, row in summary.items():
+        rank = "n/a" if row["ranking_accuracy"] is None else f"{row['ranking_accuracy']:.2f}"
+        extra = f" (expected {row['expected_mae']:.3f})" if "expected_mae" in row else ""
+        print(f"{name:10s} MAE {row['mae']:.3f}{extra}  sibling ranking accuracy {rank}")
+    print(f"wrote {out / 'value_error.json'} and {out / 'value_error.png'}")
+
+
+def plot_summary(summary: dict, path: Path, *, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(summary)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    left.bar(names, [summary[n]["mae"] for n in names], color=["#4c9a5b" if "vine" in n else "#c0504d" for n in names])
+    left.set_title("mean absolute error of V (lower is better)")
+    right.bar(names, [summary[n]["ranking_accuracy"] or 0 for n in names], color="#5b7bb4")
+    right.axhline(0.5, color="gray", linestyle="--", linewidth=1)
+    right.set_title("sibling steps ranked right (higher is better)")
+    right.set_ylim(0, 1)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
