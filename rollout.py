@@ -4,9 +4,10 @@
     sampler.sample_prefixes(sequences, prefix_lens, ...) -> the same, continuing each sequences[i][:prefix_lens[i]]
     sampler.sync(policy)  # after each PPO update: make the sampler use the new weights
 
-- HFSampler (CPU default): our own decode loop over the transformers modules of a Llama-family model, with a
-  preallocated KV cache. Every distinct sequence is prefilled once; all n continuations of each of its prefixes start
-  from a copy of that KV cache (the vines of values.py never re-prefill their state). Finished rows leave the batch.
+- HFSampler (CPU default): our own decode loop (decoding.py) over the transformers modules of a Llama-family model,
+  with preallocated KV caches. Every distinct sequence is prefilled once; all n continuations of each of its prefixes
+  attend to a view of that cache (the vines of values.py never re-prefill their state) and keep only their own new
+  tokens. Finished rows leave the batch.
 - GenerateSampler: transformers `generate`; the fallback for other architectures and the benchmark's baseline.
 - VLLMSampler: vLLM in-process with prefix caching (GPU users).
 
@@ -14,21 +15,21 @@ A Sample holds the generated ids (with the EOS / stop token when there is one), 
 True if it ended on EOS or a stop string, False if it hit the length limit. HFSampler's randomness is a hash of
 (seed, row, step, token), so a row samples the same tokens whatever else shares its batch.
 
-Shapes: B = rows in a batch, t = new positions, W = cache width, V = vocab, L = layers, H = heads, Hkv = KV heads,
-D = head dim, k = top-p candidates.
+Shapes: B = rows in a batch, G = sequences prefilled together, W = cache width, L = layers, Hkv = KV heads,
+D = head dim.
 """
-import importlib
 import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
+from decoding import decode_attention, decoder_forward, next_tokens, prefill_attention, prefix_layout
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # decoders our loop runs: pre-norm, RoPE, GQA, no q/k norm
-TOP_K_FIRST = 64  # top-p looks at the 64 likeliest tokens first; rows whose nucleus is wider fall back to a full sort
 
 
 @dataclass
@@ -51,111 +52,6 @@ def cut_at_stop(ids: list[int], *, tokenizer, stop_ids: set[int], stop_strings: 
             n = next(i for i in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:i], skip_special_tokens=True)) >= end)
             return Sample(ids[:n], text[:end], True)
     return Sample(ids, text, False)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors (wrapping arithmetic; >> made logical by masking)."""
-    x = x + -7046029254386353131  # 0x9E3779B97F4A7C15
-    x = (x ^ ((x >> 30) & 0x3FFFFFFFF)) * -4658895280553007687  # 0xBF58476D1CE4E5B9
-    x = (x ^ ((x >> 27) & 0x1FFFFFFFFF)) * -7723592293110705685  # 0x94D049BB133111EB
-    return x ^ ((x >> 31) & 0x1FFFFFFFF)
-
-
-def gumbel(*, seed: int, rows: torch.Tensor, step: int, token_ids: torch.Tensor) -> torch.Tensor:
-    """(B, k) Gumbel noise that depends only on (seed, row key, step, token id)."""
-    x = mix64(mix64(mix64(torch.full_like(rows, seed)) ^ rows) ^ step)[:, None]  # (B, 1)
-    u = ((mix64(x ^ token_ids) >> 11) & ((1 << 53) - 1)).double().add(0.5).div(2.0 ** 53)  # (B, k) in (0, 1)
-    return -torch.log(-torch.log(u)).float()
-
-
-def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float, seed: int, rows: torch.Tensor,
-                  step: int) -> torch.Tensor:
-    """(B,) next tokens from logits (B, V): greedy at temperature 0, else top-p sampling by the Gumbel-max trick.
-    Only the candidates' log-probs are formed (logit / T - logsumexp), not a (B, V) log-softmax."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    scaled = logits.float() / temperature  # (B, V)
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (B, 1)
-    if top_p >= 1:
-        ids = torch.arange(scaled.shape[1], device=scaled.device).expand_as(scaled)
-        return (scaled + gumbel(seed=seed, rows=rows, step=step, token_ids=ids)).argmax(-1)
-    cand_logits, cand_ids = scaled.topk(min(TOP_K_FIRST, scaled.shape[1]), dim=-1)  # (B, k), likeliest first
-    cand_logp = cand_logits - lse  # (B, k)
-    wide = cand_logp.exp().sum(-1) < top_p  # (B,) rows whose nucleus needs more than k tokens
-    if wide.any():  # rare at T = 0.6: sort the whole vocabulary for these rows only
-        full_logits, full_ids = scaled[wide].sort(dim=-1, descending=True)  # (b, V)
-        chosen = torch.empty(len(scaled), dtype=torch.long, device=scaled.device)
-        chosen[wide] = nucleus_pick(full_logits - lse[wide], full_ids, top_p=top_p, seed=seed, rows=rows[wide],
-                                    step=step)
-        chosen[~wide] = nucleus_pick(cand_logp[~wide], cand_ids[~wide], top_p=top_p, seed=seed, rows=rows[~wide],
-                                     step=step)
-        return chosen
-    return nucleus_pick(cand_logp, cand_ids, top_p=top_p, seed=seed, rows=rows, step=step)
-
-
-def next_tokens(model, hidden: torch.Tensor, *, rows: torch.Tensor, temperature: float, chunk: int = 64,
-                **sampling) -> torch.Tensor:
-    """(B,) tokens sampled from the last hidden states (B, hidden), `chunk` rows at a time: each chunk's logits
-    (chunk, V) stay small enough to be reused from the allocator's pool instead of freshly page-faulted. The
-    temperature divides the hidden state (lm_head has no bias), not the (chunk, V) logits."""
-    if temperature > 0:
-        hidden = hidden / temperature
-    return torch.cat([sample_tokens(model.lm_head(hidden[i:i + chunk]), temperature=float(temperature > 0),
-                                    rows=rows[i:i + chunk], **sampling) for i in range(0, len(hidden), chunk)])
-
-
-def nucleus_pick(sorted_logp, sorted_ids, *, top_p: float, seed: int, rows, step: int) -> torch.Tensor:
-    """Sample among the smallest likeliest-first prefix of tokens whose probability reaches top_p."""
-    probs = sorted_logp.exp()  # (B, k)
-    keep = probs.cumsum(-1) - probs < top_p  # (B, k) the mass before a kept token is under top_p
-    scores = (sorted_logp + gumbel(seed=seed, rows=rows, step=step, token_ids=sorted_ids)).masked_fill(~keep, -1e30)
-    return sorted_ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)  # (B,)
-
-
-def forward_cached(model, *, ids, positions, keys, values, start: int, bias, buckets=None) -> torch.Tensor:
-    """Run the decoder on new tokens ids (B, t) at positions (B, t), writing their keys/values into cache columns
-    [start, start + t) of keys/values (L, B, Hkv, W, D). bias (B, 1, t, start + t) is added to the attention scores:
-    0 where a position may be attended, -inf elsewhere. buckets [(row_from, row_to, first_column)] split the rows by
-    prefix length so that each group attends only from its own first real column (padding costs nothing).
-    Returns the final hidden states (B, t, hidden)."""
-    inner, cfg = model.model, model.config
-    B, t = ids.shape
-    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    rope = importlib.import_module(type(model).__module__).apply_rotary_pos_emb
-    end = start + t
-    x = inner.embed_tokens(ids)  # (B, t, hidden)
-    cos, sin = inner.rotary_emb(x, positions)  # (B, t, D)
-    for layer, layer_keys, layer_values in zip(inner.layers, keys, values):
-        attn, h = layer.self_attn, layer.input_layernorm(x)
-        q = attn.q_proj(h).view(B, t, H, D).transpose(1, 2)  # (B, H, t, D)
-        k = attn.k_proj(h).view(B, t, Hkv, D).transpose(1, 2)  # (B, Hkv, t, D)
-        q, k = rope(q, k, cos, sin)
-        layer_keys[:, :, start:end] = k
-        layer_values[:, :, start:end] = attn.v_proj(h).view(B, t, Hkv, D).transpose(1, 2)
-        if t == 1:  # decoding: the H // Hkv query heads sharing a KV head act as that head's queries, so every KV
-            q = q.view(B, Hkv, H // Hkv, D)  # (B, Hkv, G, D) is read once (enable_gqa would read it G times)
-        o = torch.cat([F.scaled_dot_product_attention(
-            q[r0:r1], layer_keys[r0:r1, :, c0:end], layer_values[r0:r1, :, c0:end], attn_mask=bias[r0:r1, ..., c0:end],
-            scale=attn.scaling, enable_gqa=t > 1 and H != Hkv) for r0, r1, c0 in buckets or [(0, B, 0)]])
-        x = x + attn.o_proj(o.reshape(B, H, t, D).transpose(1, 2).reshape(B, t, H * D))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return inner.norm(x)
-
-
-def length_buckets(prefix_lens: torch.Tensor, *, right_edge: int, parts: int = 4) -> list[tuple[int, int, int]]:
-    """Rows sorted by prefix length (ascending), split into `parts` groups: (row_from, row_to, first_column), where
-    prefixes end at column right_edge and the longest prefix of a group decides where it starts."""
-    B = len(prefix_lens)
-    edges = sorted({round(B * i / parts) for i in range(parts + 1)})
-    buckets = []
-    for a, b in zip(edges, edges[1:]):
-        first = right_edge - int(prefix_lens[b - 1])
-        if buckets and buckets[-1][2] == first:  # same first column: one attention call serves both
-            buckets[-1] = (buckets[-1][0], b, first)
-        elif b > a:
-            buckets.append((a, b, first))
-    return buckets
 
 
 class HFSampler:
@@ -252,38 +148,31 @@ class HFSampler:
             positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T)
             allowed = (causal & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device)  # (b, T, T)
-            allowed = torch.cat([allowed.new_zeros(len(chunk), T, W - T), allowed], -1)  # (b, T, W)
             bias = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
-            hidden[b0:b0 + len(chunk), W - T:] = forward_cached(  # pad rows attend to themselves only
-                self.model, ids=ids, positions=positions, keys=keys[:, b0:b0 + len(chunk)],
-                values=values[:, b0:b0 + len(chunk)], start=W - T, bias=bias, buckets=[(0, len(chunk), W - T)])
+            attend = partial(prefill_attention, keys=keys[:, b0:b0 + len(chunk)], start=W - T, bias=bias,
+                             values=values[:, b0:b0 + len(chunk)])  # pad rows attend to themselves only
+            hidden[b0:b0 + len(chunk), W - T:] = decoder_forward(self.model, ids=ids, positions=positions,
+                                                                 attend=attend)
         return {"keys": keys, "values": values, "hidden": hidden, "lens": [len(s) for s in seqs], "width": W}
 
     def decode(self, batch, cache: dict, *, temperature: float, top_p: float, seed: int) -> list[Sample]:
-        """Sample the rows of `batch` = [(slot, prefix length, budget, row key)] from a prefilled cache."""
+        """Sample the rows of `batch` = [(slot, prefix length, budget, row key)] (sorted by slot) from a prefilled
+        cache. Prefixes stay in the prefill cache; each row's cache holds only the tokens it generates."""
         started = time.perf_counter()
-        order = sorted(range(len(batch)), key=lambda r: batch[r][1])  # by prefix length, for length_buckets
-        batch = [batch[r] for r in order]
-        B, P = len(batch), max(L for _, L, _, _ in batch)
-        W = P + max(b for _, _, b, _ in batch)
-        keys, values = self.cache_views("decode_", B, W)
-        bias = keys.new_full((B, W), float("-inf"))  # (B, W) 0 on cache columns holding real tokens
-        last = []
-        for r, (s, L, _, _) in enumerate(batch):  # the prefix, right-aligned at column P: a copy, not a prefill
-            src = cache["width"] - cache["lens"][s]  # where sequence s starts in the prefill cache
-            keys[:, r, :, P - L:P] = cache["keys"][:, s, :, src:src + L]
-            values[:, r, :, P - L:P] = cache["values"][:, s, :, src:src + L]
-            bias[r, P - L:P] = 0.0
-            last.append(cache["hidden"][s, src + L - 1])
-        hidden = torch.stack(last)  # (B, hidden): each row's state before its first new token
-        self.timing["prefill_s"] += time.perf_counter() - started  # the KV copies count as prefix set-up
-        started = time.perf_counter()
-        lens = torch.tensor([L for _, L, _, _ in batch], device=keys.device)  # (B,) prefix lengths = next positions
-        rows = torch.tensor([key for _, _, _, key in batch], device=keys.device)  # (B,)
+        cfg, B = self.model.config, len(batch)
+        G = cfg.num_attention_heads // cfg.num_key_value_heads
+        slots, lens = [s for s, _, _, _ in batch], [L for _, L, _, _ in batch]
         budgets = [b for _, _, b, _ in batch]
-        alive = list(range(B))  # batch index of each cache row still in the cache
+        suffix_keys, suffix_values = self.cache_views("decode_", B, max(budgets))
+        layout = prefix_layout(slots=slots, lens=lens, cache=cache, heads_per_kv=G)
+        hidden = torch.stack([cache["hidden"][s, cache["width"] - cache["lens"][s] + L - 1] for s, L in zip(slots, lens)])
+        positions = torch.tensor(lens, device=hidden.device)  # (B,) the position of each row's first new token
+        rows = torch.tensor([key for _, _, _, key in batch], device=hidden.device)  # (B,)
+        alive = list(range(B))  # batch index of each cache row still decoding
         generated, finished = [[] for _ in batch], [False] * B
-        for step in range(W - P):
+        self.timing["prefill_s"] += time.perf_counter() - started
+        started = time.perf_counter()
+        for step in range(max(budgets)):
             tokens = next_tokens(self.model, hidden, rows=rows, temperature=temperature, top_p=top_p, seed=seed,
                                  step=step)  # (B,)
             for c, token in enumerate(tokens.tolist()):
@@ -297,24 +186,24 @@ class HFSampler:
             if all(done):
                 break
             if sum(done) * 4 >= len(done):  # finished rows leave the batch once they are a quarter of it
-                keep = torch.tensor([c for c, d in enumerate(done) if not d], device=keys.device)
-                for new, old in enumerate(keep.tolist()):  # in place: no fresh GB-sized tensor
+                keep = [c for c, d in enumerate(done) if not d]
+                for new, old in enumerate(keep):  # in place: no fresh GB-sized tensor
                     if new != old:
-                        keys[:, new], values[:, new] = keys[:, old], values[:, old]
-                keys, values, bias = keys[:, :len(keep)], values[:, :len(keep)], bias[keep]
-                lens, rows, tokens = lens[keep], rows[keep], tokens[keep]
-                alive = [alive[c] for c in keep.tolist()]
-            bias[:, P + step] = 0.0
-            hidden = forward_cached(self.model, ids=tokens[:, None], positions=(lens + step)[:, None], keys=keys,
-                                    values=values, start=P + step, bias=bias[:, None, None, :P + step + 1],
-                                    buckets=length_buckets(lens, right_edge=P))[:, -1]  # (B, hidden)
+                        suffix_keys[:, new], suffix_values[:, new] = suffix_keys[:, old], suffix_values[:, old]
+                suffix_keys, suffix_values = suffix_keys[:, :len(keep)], suffix_values[:, :len(keep)]
+                index = torch.tensor(keep, device=hidden.device)
+                positions, rows, tokens = positions[index], rows[index], tokens[index]
+                alive = [alive[c] for c in keep]
+                layout = prefix_layout(slots=[slots[r] for r in alive], lens=[lens[r] for r in alive], cache=cache,
+                                       heads_per_kv=G)
+            attend = partial(decode_attention, prefix=layout, prefix_keys=cache["keys"],
+                             prefix_values=cache["values"], suffix_keys=suffix_keys, suffix_values=suffix_values,
+                             step=step)
+            hidden = decoder_forward(self.model, ids=tokens[:, None], positions=(positions + step)[:, None],
+                                     attend=attend)[:, -1]  # (B, hidden)
         self.timing["decode_s"] += time.perf_counter() - started
-        samples = [cut_at_stop(ids, tokenizer=self.tokenizer, stop_ids=self.stop_ids, stop_strings=self.stop_strings,
-                               limit=b) for ids, b in zip(generated, budgets)]
-        out = [None] * B
-        for r, sample in zip(order, samples):
-            out[r] = sample
-        return out
+        return [cut_at_stop(ids, tokenizer=self.tokenizer, stop_ids=self.stop_ids, stop_strings=self.stop_strings,
+                            limit=b) for ids, b in zip(generated, budgets)]
 
     def sync(self, policy):
         pass  # decodes with the policy module itself: always current

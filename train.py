@@ -224,13 +224,14 @@ def main(cfg: Config):
     log = open(out_dir / "metrics.jsonl", "a")
     checkpoint = partial(save_checkpoint, out_dir, policy=policy, value_head=value_head, tokenizer=tokenizer,
                          optimizer=optimizer, scheduler=scheduler, rng=rng, cfg=cfg)
-    if start == 0:
-        accuracy = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
-        log.write(json.dumps({"iteration": 0, "eval_accuracy": accuracy, "train_seconds": 0.0}) + "\n")
-        log.flush()
-        print(f"iteration 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples}", flush=True)
     it = start
     try:
+        if start == 0:
+            accuracy = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+            log.write(json.dumps({"iteration": 0, "eval_accuracy": accuracy, "train_seconds": 0.0}) + "\n")
+            log.flush()
+            print(f"iteration 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples}",
+                  flush=True)
         for it in range(start, cfg.iterations):
             seconds, t0 = {}, time.perf_counter()
             seed = cfg.seed * 1_000_003 + it

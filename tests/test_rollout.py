@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from rollout import GenerateSampler, HFSampler, Sample, cut_at_stop, gumbel, sample_tokens
+from decoding import gumbel, sample_tokens
+from rollout import GenerateSampler, HFSampler, Sample, cut_at_stop
 
 
 def reference_greedy(model, prompt, steps, stop_ids):
