@@ -12,6 +12,7 @@ The local files use the same fields as the Hub rows (see ../shared/data/README.m
 """
 import json
 import os
+import random
 from pathlib import Path
 
 from grader import extract_boxed
@@ -86,7 +87,7 @@ def hub_rows(*, dataset: str, split: str) -> list[dict]:
     return [row for subject in MATH_SUBJECTS for row in load_dataset("EleutherAI/hendrycks_math", subject, split="train")]
 
 
-def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_ops: int = 2,
+def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_ops: int = 1,
                arith_max: int = 20, arith_size: int = 5000) -> list[dict]:
     """Examples ({"question", "answer", "solution"}) of one split: from a local folder if given, else the Hub
     (arith: generated; the test split is the first 500 problems of its own seed that are not in train)."""
@@ -146,7 +147,6 @@ def arith_step(rng, value: int, *, max_number: int, item: str, pronoun: str) -> 
 def make_arith(count: int, *, seed: int, ops: int, max_number: int) -> list[dict]:
     """`count` word problems of `ops` operations (add, subtract, double/triple) on numbers up to `max_number`.
     The gold solution has one worked step per line and ends with "#### <answer>"."""
-    import random
     rng = random.Random(seed)
     examples = []
     for _ in range(count):

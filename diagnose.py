@@ -88,7 +88,7 @@ def main():
     parser.add_argument("--checkpoint", required=True, help="a ckpt-* folder of train.py (or any model spec)")
     parser.add_argument("--dataset", default="arith", choices=["gsm8k", "math", "arith"])
     parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--arith-ops", type=int, default=2)
+    parser.add_argument("--arith-ops", type=int, default=1)
     parser.add_argument("--arith-max", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=10, help="sibling pairs (states = 2 x pairs)")
     parser.add_argument("--ground-truth", type=int, default=256, help="continuations per state for the true value")

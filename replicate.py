@@ -1,6 +1,6 @@
 """One-command laptop replication: VinePPO, PPO with a critic, and GRPO on `arith`, same seeds, same wall-clock.
 
-    python replicate.py --budget 1800 --seeds 0 --out results/arith
+    python replicate.py --budget 1200 --seeds 0 --out results/arith
 
 Runs train.py once per (estimator, seed) with identical settings but --estimator, each stopped after --budget
 seconds of training (evaluation excluded), then writes into --out: curves.png (plot.py), results.md and
@@ -19,9 +19,9 @@ from plot import plot_runs, read_metrics
 
 ESTIMATORS = ("vine", "critic", "grpo")
 SETTINGS = ["--dataset", "arith", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "96",
-            "--lr", "1e-5", "--value-lr", "1e-4", "--minibatch-size", "8", "--micro-batch-size", "8",
-            "--eval-size", "64", "--eval-samples", "4", "--eval-every", "3", "--save-every", "1000",
-            "--iterations", "100000", "--sampler", "hf"]
+            "--lr", "3e-5", "--warmup-ratio", "0", "--no-lr-decay", "--value-lr", "1e-4", "--minibatch-size", "8",
+            "--micro-batch-size", "8", "--eval-size", "100", "--eval-samples", "4", "--eval-every", "4",
+            "--save-every", "1000", "--iterations", "100000", "--sampler", "hf"]
 
 
 def run(estimator: str, seed: int, *, budget: float, out: Path, extra: list[str]) -> Path:
@@ -56,7 +56,7 @@ def table(rows: list[dict]) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=float, default=1800, help="training seconds per run")
+    parser.add_argument("--budget", type=float, default=1200, help="training seconds per run")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds")
     parser.add_argument("--estimators", default=",".join(ESTIMATORS))
     parser.add_argument("--out", default="results/arith")

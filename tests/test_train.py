@@ -32,6 +32,7 @@ def test_bad_flags_are_one_line_errors(argv, capsys):
 
 def test_lr_schedule():
     assert [round(lr_factor(s, warmup=2, total=6), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    assert [lr_factor(s, warmup=2, total=6, decay=False) for s in range(7)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
 
 
 def run_train(args, data_dir, out_dir, **kwargs):
