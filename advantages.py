@@ -6,8 +6,8 @@ VinePPO (paper): gamma = 1, lam = 0, so A_i = r_i + V(s_{i+1}) - V(s_i). With la
 
 The baselines of the paper's comparison, all feeding the same PPO update (`--estimator`):
     critic: PPO's learned value head, GAE over tokens (lam = 1: A_t = G - V_t)   -> critic_advantages
-    grpo:   one advantage per response, (r - mean) / std over the prompt's group  -> grpo_advantages
-    rloo:   one advantage per response, r minus the mean of the group's others    -> rloo_advantages
+    grpo:   one advantage per response, (r - mean) / std over the prompt's group  -> group_baseline_advantages
+    rloo:   one advantage per response, r minus the mean of the group's others    -> group_baseline_advantages
 
 Shapes: T = steps of one response, L = tokens of one response, N = all response tokens of a batch.
 """

@@ -116,8 +116,8 @@ def parse_config(argv=None) -> Config:
         cfg.max_value_steps = 0 if cfg.dataset == "math" else 25
     cfg.out_dir = cfg.out_dir or f"runs/{cfg.dataset}-{cfg.estimator}-k{cfg.k}-s{cfg.seed}"
     for name in ("iterations", "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "k", "epochs", "arith_ops",
-                 "arith_max", "minibatch_size", "micro_batch_size", "eval_every", "eval_size", "eval_samples", "save_every",
-                 "gen_batch_size"):
+                 "arith_max", "minibatch_size", "micro_batch_size", "eval_every", "eval_size", "eval_samples",
+                 "save_every", "gen_batch_size"):
         if getattr(cfg, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
     if not (cfg.step_split == "auto" or cfg.step_split.startswith("tokens:") and cfg.step_split[7:].isdigit()
@@ -253,8 +253,7 @@ def main(cfg: Config):
 
             # 3. Grade: 0/1 reward per response (0 if it hit the length limit)
             rewards = [grade(s.text, a, dataset=cfg.dataset, truncated=not s.finished) for s, a in zip(samples, answers)]
-            input_ids, attention_mask, response_mask, P = pad_episodes(prompts, responses,
-                                                                       pad_id=tokenizer.pad_token_id)
+            input_ids, attention_mask, response_mask, P = pad_episodes(prompts, responses, pad_id=tokenizer.pad_token_id)
             batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
 
             # 4. Values. vine: split into steps, K vines from the state before every step. critic: the value head.
