@@ -24,7 +24,7 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from data import load_split, make_prompt
+from data import encode_prompt, load_split
 from model import DEFAULT_MODEL, load_model, load_tokenizer
 from rollout import HFSampler
 
@@ -63,7 +63,7 @@ def bench_prompts(tokenizer, count: int, length: int, data_dir) -> list[list[int
         text, ids = "", []
         while len(ids) < length:
             text, i = text + " " + questions[i], i + 1
-            ids = tokenizer(make_prompt(text, dataset="gsm8k", tokenizer=tokenizer), add_special_tokens=False).input_ids
+            ids = encode_prompt(text, dataset="gsm8k", tokenizer=tokenizer)
         prompts.append(ids[-length:])  # keep the end: the prompt still closes with the assistant tag
     return prompts
 

@@ -124,6 +124,12 @@ def make_prompt(question: str, *, dataset: str, tokenizer, prompt_format: str = 
                                          add_generation_prompt=True)
 
 
+def encode_prompt(question: str, *, dataset: str, tokenizer, prompt_format: str = "chat") -> list[int]:
+    """The prompt's token ids (the template already holds the special tokens it needs)."""
+    return tokenizer(make_prompt(question, dataset=dataset, tokenizer=tokenizer, prompt_format=prompt_format),
+                     add_special_tokens=False).input_ids
+
+
 NAMES = ("Tom", "Anna", "Ben", "Lily", "Sam", "Maya", "Omar", "Nina", "Leo", "Zoe", "Ravi", "Emma")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cookies", "pencils", "shells", "cards", "stamps")
 

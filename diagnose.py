@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from data import load_split, make_prompt
-from model import load_model, load_tokenizer
+from data import encode_prompt, load_split
+from model import load_model, load_tokenizer, new_value_head
 from rollout import HFSampler
 from values import mc_rollouts, split_steps, step_token_starts
 
@@ -34,8 +34,7 @@ def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, ma
     for number, example in enumerate(examples):
         if len(states) >= 2 * pairs:
             break
-        prompt = tokenizer(make_prompt(example["question"], dataset=dataset, tokenizer=tokenizer),
-                           add_special_tokens=False).input_ids
+        prompt = encode_prompt(example["question"], dataset=dataset, tokenizer=tokenizer)
         response = sampler.sample([prompt], n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                   seed=seed + number)[0][0]
         starts = step_token_starts(response.token_ids, response.text, tokenizer=tokenizer, dataset=dataset)
@@ -119,7 +118,7 @@ def main():
     estimates = {f"vine K={k}": [sum(s[:k]) / k for s in mc_scores] for k in ks}
     head_path = Path(args.checkpoint) / "value_head.pt"
     if head_path.exists():
-        head = torch.nn.Linear(model.config.hidden_size, 1)
+        head = new_value_head(model)
         head.load_state_dict(torch.load(head_path))
         estimates["critic"] = critic_values(model, head, states)
     summary = {name: {"mae": sum(abs(e - t) for e, t in zip(est, truth)) / len(truth),

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from advantages import critic_advantages, group_baseline_advantages, vine_advantages, whiten
-from data import load_split, make_prompt
+from data import encode_prompt, load_split
 from grader import grade
 from model import DEFAULT_MODEL, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
 from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update
@@ -135,17 +135,13 @@ def lr_factor(step: int, *, warmup: int, total: int, decay: bool = True) -> floa
 
 def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int) -> float:
     """pass@1: mean correctness of eval_samples samples per test problem at the eval temperature."""
-    prompts = [encode_prompt(e, tokenizer, cfg) for e in examples]
+    prompts = [encode_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+               for e in examples]
     samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
                              max_new_tokens=cfg.max_new_tokens, seed=seed)
     scores = [grade(s.text, e["answer"], dataset=cfg.dataset, truncated=not s.finished)
               for e, group in zip(examples, samples) for s in group]
     return sum(scores) / max(len(scores), 1)
-
-
-def encode_prompt(example: dict, tokenizer, cfg: Config) -> list[int]:
-    text = make_prompt(example["question"], dataset=cfg.dataset, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def save_checkpoint(out_dir: Path, *, iteration: int, policy, value_head, tokenizer, optimizer, scheduler,
@@ -239,7 +235,8 @@ def main(cfg: Config):
 
             # 1. Sample prompts (with replacement, as in the official implementation)
             examples = rng.choices(train_set, k=cfg.prompts_per_iter)
-            prompt_ids = [encode_prompt(e, tokenizer, cfg) for e in examples]
+            prompt_ids = [encode_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer,
+                                        prompt_format=cfg.prompt_format) for e in examples]
 
             # 2. Rollouts: samples_per_prompt responses per problem from the current policy
             groups = sampler.sample(prompt_ids, n=cfg.samples_per_prompt, temperature=cfg.temperature,

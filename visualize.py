@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from advantages import gae, group_baseline_advantages, step_rewards
-from data import load_split, make_prompt
+from data import encode_prompt, load_split
 from grader import grade
 from model import load_model, load_tokenizer
 from rollout import HFSampler
@@ -32,8 +32,7 @@ def credit_example(sampler, tokenizer, examples, *, dataset: str, n: int, K: int
                    temperature: float = 0.6, top_p: float = 0.9) -> dict:
     """Find a problem whose group has mixed rewards; return one response's steps with both estimators' credit."""
     for number, example in enumerate(examples[:50]):
-        prompt = tokenizer(make_prompt(example["question"], dataset=dataset, tokenizer=tokenizer),
-                           add_special_tokens=False).input_ids
+        prompt = encode_prompt(example["question"], dataset=dataset, tokenizer=tokenizer)
         group = sampler.sample([prompt], n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                seed=seed + number)[0]
         rewards = [grade(s.text, example["answer"], dataset=dataset, truncated=not s.finished) for s in group]
