@@ -78,11 +78,12 @@ class HFSampler:
             self.buffers[name] = like.new_zeros(numel)
         return self.buffers[name][:numel].view(shape)
 
-    def cache_views(self, prefix: str, batch: int, width: int):
-        """Keys and values (L, B, Hkv, W, D) for `batch` rows of `width` positions."""
+    def cache_views(self, prefix: str, batch: int, width: int, transposed: bool):
+        """Keys and values (L, B, Hkv, W, D) for `batch` rows of `width` positions; (L, B, Hkv, D, W) if
+        transposed (the prefill cache: decoding.decode_attention says why)."""
         cfg = self.model.config
         D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, width, D)
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads) + ((D, width) if transposed else (width, D))
         return self.buffer(prefix + "keys", shape), self.buffer(prefix + "values", shape)
 
     def sample(self, prompts, **kwargs):
@@ -134,9 +135,9 @@ class HFSampler:
 
     def prefill(self, seqs: list[list[int]]) -> dict:
         """One forward pass over each sequence (in batches of ~prefill_tokens), right-aligned in a cache of width
-        max(len). Returns its keys/values (L, G, Hkv, W, D), final hidden states (G, W, hidden) and widths."""
+        max(len). Returns its keys/values (L, G, Hkv, D, W), final hidden states (G, W, hidden) and widths."""
         W = max(map(len, seqs))
-        keys, values = self.cache_views("prefill_", len(seqs), W)
+        keys, values = self.cache_views("prefill_", len(seqs), W, transposed=True)
         hidden = self.buffer("prefill_hidden", (len(seqs), W, self.model.config.hidden_size))  # (G, W, hidden)
         device = keys.device
         per_batch = max(1, self.prefill_tokens // W)
@@ -163,7 +164,8 @@ class HFSampler:
         G = cfg.num_attention_heads // cfg.num_key_value_heads
         slots, lens = [s for s, _, _, _ in batch], [L for _, L, _, _ in batch]
         budgets = [b for _, _, b, _ in batch]
-        suffix_keys, suffix_values = self.cache_views("decode_", B, max(budgets))
+        suffix_keys, suffix_values = self.cache_views("decode_", B, max(budgets), transposed=False)
+        logits = self.buffer("logits", (B, self.model.lm_head.weight.shape[0]))  # (B, V), refilled every step
         layout = prefix_layout(slots=slots, lens=lens, cache=cache, heads_per_kv=G)
         hidden = torch.stack([cache["hidden"][s, cache["width"] - cache["lens"][s] + L - 1] for s, L in zip(slots, lens)])
         positions = torch.tensor(lens, device=hidden.device)  # (B,) the position of each row's first new token
@@ -174,7 +176,7 @@ class HFSampler:
         started = time.perf_counter()
         for step in range(max(budgets)):
             tokens = next_tokens(self.model, hidden, rows=rows, temperature=temperature, top_p=top_p, seed=seed,
-                                 step=step)  # (B,)
+                                 step=step, logits=logits)  # (B,)
             for c, token in enumerate(tokens.tolist()):
                 r = alive[c]
                 if not finished[r]:
