@@ -1,5 +1,6 @@
 """Fast decoding on a CPU, as pure functions: the decoder with a preallocated KV cache, attention that reads a shared
-prefix once for all the rows continuing it, and seeded top-p sampling. rollout.HFSampler drives them.
+prefix once for all the rows continuing it, and seeded top-p sampling. rollout.HFSampler drives them, in fp32 or bf16:
+weights and KV caches in the sampler's dtype, softmax statistics, the prefix/suffix merge and sampling in fp32.
 
 - decoder_forward runs the model's own modules (Llama family: pre-norm, RoPE, grouped-query attention), with the
   attention step delegated: prefill_attention while prefilling sequences, decode_attention while generating.
@@ -37,41 +38,49 @@ def gumbel(*, seed: int, rows: torch.Tensor, step: int, token_ids: torch.Tensor)
 
 
 def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float, seed: int, rows: torch.Tensor,
-                  step: int) -> torch.Tensor:
-    """(B,) next tokens from logits (B, V): greedy at temperature 0, else top-p sampling by the Gumbel-max trick.
-    Only the candidates' log-probs are formed (logit / T - logsumexp), not a (B, V) log-softmax."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    scaled = logits if temperature == 1 else logits.float() / temperature  # (B, V)
+                  step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) next tokens from logits (B, V), greedy at temperature 0, else top-p sampling by the Gumbel-max trick;
+    and (B,) their log-probs under softmax(logits / T) over the whole vocabulary (T = 1 when greedy), the quantity
+    the trainer computes. In fp32 whatever the logits' dtype. Only the candidates' log-probs are formed (logit / T -
+    logsumexp), not a (B, V) log-softmax."""
+    scaled = logits.float() if temperature in (0, 1) else logits.float() / temperature  # (B, V)
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (B, 1)
-    if top_p >= 1:
+    if temperature == 0:
+        chosen = scaled.argmax(-1)
+    elif top_p >= 1:
         ids = torch.arange(scaled.shape[1], device=scaled.device).expand_as(scaled)
-        return (scaled + gumbel(seed=seed, rows=rows, step=step, token_ids=ids)).argmax(-1)
-    cand_logits, cand_ids = scaled.topk(min(TOP_K_FIRST, scaled.shape[1]), dim=-1)  # (B, k), likeliest first
-    cand_logp = cand_logits - lse  # (B, k)
-    wide = cand_logp.exp().sum(-1) < top_p  # (B,) rows whose nucleus needs more than k tokens
-    if wide.any():  # rare at T = 0.6: sort the whole vocabulary for these rows only
-        full_logits, full_ids = scaled[wide].sort(dim=-1, descending=True)  # (b, V)
+        chosen = (scaled + gumbel(seed=seed, rows=rows, step=step, token_ids=ids)).argmax(-1)
+    else:
+        cand_logits, cand_ids = scaled.topk(min(TOP_K_FIRST, scaled.shape[1]), dim=-1)  # (B, k), likeliest first
+        cand_logp = cand_logits - lse  # (B, k)
+        wide = cand_logp.exp().sum(-1) < top_p  # (B,) rows whose nucleus needs more than k tokens
         chosen = torch.empty(len(scaled), dtype=torch.long, device=scaled.device)
-        chosen[wide] = nucleus_pick(full_logits - lse[wide], full_ids, top_p=top_p, seed=seed, rows=rows[wide],
-                                    step=step)
+        if wide.any():  # rare at T = 0.6: sort the whole vocabulary for these rows only
+            full_logits, full_ids = scaled[wide].sort(dim=-1, descending=True)  # (b, V)
+            chosen[wide] = nucleus_pick(full_logits - lse[wide], full_ids, top_p=top_p, seed=seed, rows=rows[wide],
+                                        step=step)
         chosen[~wide] = nucleus_pick(cand_logp[~wide], cand_ids[~wide], top_p=top_p, seed=seed, rows=rows[~wide],
                                      step=step)
-        return chosen
-    return nucleus_pick(cand_logp, cand_ids, top_p=top_p, seed=seed, rows=rows, step=step)
+    return chosen, (scaled.gather(-1, chosen[:, None]) - lse).squeeze(-1)
 
 
 def next_tokens(model, hidden: torch.Tensor, *, rows: torch.Tensor, temperature: float, logits: torch.Tensor,
-                chunk: int = 64, **sampling) -> torch.Tensor:
-    """(B,) tokens sampled from the last hidden states (B, hidden). The logits are written into `logits`, a reused
-    (>= B, V) buffer: a fresh 50 MB tensor per step costs more in page faults than its matmul saves. The temperature
-    divides the hidden state (lm_head has no bias), not the (B, V) logits; sampling goes `chunk` rows at a time, so
-    its temporaries stay small."""
+                scratch: torch.Tensor, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) tokens sampled from the last hidden states (B, hidden), and their log-probs (B,) (see sample_tokens).
+    The logits are written into `logits`, a reused (>= B, V) buffer in the model's dtype: a fresh 50 MB tensor per
+    step costs more in page faults than its matmul saves. The temperature divides the hidden state (lm_head has no
+    bias), not the (B, V) logits. Sampling goes len(scratch) rows at a time, in fp32: bf16 logits are first copied
+    into `scratch`, a reused (chunk, V) fp32 buffer."""
     if temperature > 0:
         hidden = hidden / temperature
     logits = torch.mm(hidden, model.lm_head.weight.t(), out=logits[:len(hidden)])  # (B, V)
-    return torch.cat([sample_tokens(logits[i:i + chunk], temperature=float(temperature > 0), rows=rows[i:i + chunk],
-                                    **sampling) for i in range(0, len(hidden), chunk)])
+    picks, chunk = [], len(scratch)
+    for i in range(0, len(hidden), chunk):
+        part = logits[i:i + chunk]  # (chunk, V)
+        if part.dtype != torch.float32:
+            part = scratch[:len(part)].copy_(part)
+        picks.append(sample_tokens(part, temperature=float(temperature > 0), rows=rows[i:i + chunk], **sampling))
+    return torch.cat([tokens for tokens, _ in picks]), torch.cat([logp for _, logp in picks])
 
 
 def nucleus_pick(sorted_logp, sorted_ids, *, top_p: float, seed: int, rows, step: int) -> torch.Tensor:
@@ -135,7 +144,7 @@ def prefix_layout(*, slots: list[int], lens: list[int], cache: dict, heads_per_k
             gather[p, j], row_place[r] = r, p * R + j
             allowed[p, j] = False
             allowed[p, j, first:first + lens[r]] = True
-    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # (S, R, Wp)
+    bias = torch.zeros(allowed.shape, dtype=cache["keys"].dtype).masked_fill_(~allowed, float("-inf"))  # (S, R, Wp)
     num_kv = cache["keys"].shape[2]
     bias = bias[:, None, :, None, :].expand(-1, num_kv, -1, heads_per_kv, -1)  # (S, Hkv, R, G, Wp)
     device = cache["keys"].device
@@ -144,13 +153,21 @@ def prefix_layout(*, slots: list[int], lens: list[int], cache: dict, heads_per_k
             "bias": bias.reshape((s1 - s0) * num_kv, R * heads_per_kv, -1).to(device)}  # (S * Hkv, R * G, Wp)
 
 
-def softmax_attend(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """softmax(scores) @ values, with the log-sum-exp of the scores appended: (..., n, D + 1) from scores (..., n, W)
-    and values (..., W, D). One exp pass, in place (scores is a fresh tensor the caller gives up)."""
-    top = scores.amax(-1, keepdim=True)  # (..., n, 1)
-    weights = scores.sub_(top).exp_()  # (..., n, W) unnormalised
-    total = weights.sum(-1, keepdim=True)  # (..., n, 1)
-    return torch.cat([torch.matmul(weights, values).div_(total), top + total.log()], -1)
+def to_sequences(x: torch.Tensor, prefix: dict) -> torch.Tensor:
+    """Rows (B, Hkv, G, n) -> sequence-major (S * Hkv, R * G, n): the rows of each sequence stacked, so that one
+    batched matmul per (sequence, KV head) serves all of them. Places no row fills are zero."""
+    S, R = prefix["gather"].shape
+    B, Hkv, G, n = x.shape
+    x = torch.cat([x, x.new_zeros(1, Hkv, G, n)])[prefix["gather"]]  # (S, R, Hkv, G, n)
+    return x.permute(0, 2, 1, 3, 4).reshape(S * Hkv, R * G, n)
+
+
+def to_rows(x: torch.Tensor, prefix: dict, Hkv: int) -> torch.Tensor:
+    """The inverse of to_sequences: (S * Hkv, R * G, n) -> (B, Hkv, G, n)."""
+    S, R = prefix["gather"].shape
+    n = x.shape[-1]
+    x = x.view(S, Hkv, R, -1, n).permute(0, 2, 1, 3, 4).reshape(S * R, Hkv, -1, n)  # (S * R, Hkv, G, n)
+    return x[prefix["row_place"]]
 
 
 def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_keys, prefix_values, suffix_keys,
@@ -158,32 +175,30 @@ def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_
     """Decoding one token per row (t = 1). Row r attends to its prefix, a view of the prefill cache (never copied),
     and to the `step + 1` tokens it generated, kept in suffix_keys/values (L, B, Hkv, S, D). The prefix cache
     (L, S, Hkv, D, Wp) is stored transposed: on this CPU both of its batched matmuls then run at the speed of reading
-    the cache, 1.25-1.9x faster than on (Wp, D) blocks. The two softmaxes are computed apart and merged by their
-    log-sum-exps."""
+    the cache, 1.25-1.9x faster than on (Wp, D) blocks. The scores of both parts are joined for one fp32 softmax;
+    the weights go back to the cache's dtype for the two weighted sums."""
     B, H, _, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
     suffix_keys[layer][:, :, step] = k[:, :, 0]
     suffix_values[layer][:, :, step] = v[:, :, 0]
     q = q.reshape(B, Hkv, G, D) * scale  # (B, Hkv, G, D): the G query heads sharing a KV head
-    # 1. The prefixes, sequence-major: qp (S * Hkv, R * G, D) against that sequence's keys (S * Hkv, Wp, D).
     S, R = prefix["gather"].shape
     one_each = R == 1 and S == B and prefix["in_order"]  # plain sampling: each row its own sequence, in order
-    qp = q if one_each else torch.cat([q, q.new_zeros(1, Hkv, G, D)])[prefix["gather"]]  # (S, R, Hkv, G, D)
-    qp = qp.reshape(S * Hkv, G, D) if one_each else qp.permute(0, 2, 1, 3, 4).reshape(S * Hkv, R * G, D)
     pk = prefix_keys[layer][prefix["s0"]:prefix["s1"], :, :, prefix["c0"]:].flatten(0, 1)  # (S * Hkv, D, Wp), a view
     pv = prefix_values[layer][prefix["s0"]:prefix["s1"], :, :, prefix["c0"]:].flatten(0, 1)  # (S * Hkv, D, Wp)
-    scores = torch.baddbmm(prefix["bias"], qp, pk)  # (S * Hkv, R * G, Wp), masked by the bias
-    out_p = softmax_attend(scores, pv.transpose(1, 2))  # (S * Hkv, R * G, D + 1)
-    if one_each:
-        out_p = out_p.view(B, Hkv, G, D + 1)
-    else:  # back to rows: (B, Hkv, G, D + 1)
-        out_p = out_p.view(S, Hkv, R, G, D + 1).permute(0, 2, 1, 3, 4).reshape(S * R, Hkv, G, D + 1)
-        out_p = out_p[prefix["row_place"]]
-    # 2. The generated tokens, row by row.
+    Wp = pk.shape[-1]
+    # 1. Scores. Prefixes sequence-major: qp (S * Hkv, R * G, D) against that sequence's keys; then back to rows.
+    qp = q.reshape(S * Hkv, G, D) if one_each else to_sequences(q, prefix)
+    scores_p = torch.baddbmm(prefix["bias"], qp, pk)  # (S * Hkv, R * G, Wp), masked by the bias
+    scores_p = scores_p.view(B, Hkv, G, Wp) if one_each else to_rows(scores_p, prefix, Hkv)  # (B, Hkv, G, Wp)
     sk, sv = suffix_keys[layer][:, :, :step + 1], suffix_values[layer][:, :, :step + 1]  # (B, Hkv, step + 1, D)
-    out_s = softmax_attend(torch.matmul(q, sk.transpose(-1, -2)), sv)  # (B, Hkv, G, D + 1)
-    # 3. Merge: softmax over both parts = each part's softmax weighted by its share of the total mass.
-    lse = torch.logaddexp(out_p[..., D:], out_s[..., D:])  # (B, Hkv, G, 1)
-    out = out_p[..., :D] * torch.exp(out_p[..., D:] - lse) + out_s[..., :D] * torch.exp(out_s[..., D:] - lse)
+    scores_s = torch.matmul(q, sk.transpose(-1, -2))  # (B, Hkv, G, step + 1)
+    # 2. One softmax over both parts, in fp32.
+    weights = torch.softmax(torch.cat([scores_p, scores_s], -1).float(), dim=-1).to(q.dtype)  # (B, Hkv, G, Wp+s)
+    # 3. Weighted sums: the prefix values sequence-major again, the generated tokens' row by row.
+    w_p = weights[..., :Wp].reshape(S * Hkv, G, Wp) if one_each else to_sequences(weights[..., :Wp], prefix)
+    out_p = torch.bmm(w_p, pv.transpose(1, 2))  # (S * Hkv, R * G, D)
+    out_p = out_p.view(B, Hkv, G, D) if one_each else to_rows(out_p, prefix, Hkv)  # (B, Hkv, G, D)
+    out = out_p + torch.matmul(weights[..., Wp:], sv)  # (B, Hkv, G, D)
     return out.reshape(B, H, 1, D)

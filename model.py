@@ -113,16 +113,32 @@ def pick_device(device: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Does `device` run bf16 matmuls natively? CUDA: yes. CPU: when it has avx512_bf16 or AMX tiles (x86) or the
+    bf16 extension (Arm), read from torch's CPU feature probe, never guessed from the vendor."""
+    if device.type == "cuda":
+        return True
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return any(caps.get(flag, False) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA, fp32 on CPU (bf16 is ~3x slower than fp32 on CPUs without native bf16 matmuls)."""
+    """The compute dtype (`--dtype`): auto is bf16 where the device has native bf16 matmuls, else fp32. Master
+    weights and AdamW's state are fp32 whatever this says; bf16 is used under autocast and by the sampler's copy."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def load_model(spec: str, *, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False,
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed precision for a forward (and its backward): matmuls in `dtype` over fp32 weights; a no-op for fp32."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def load_model(spec: str, *, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False,
                frozen: bool = False):
-    """A causal LM from `spec` (resolved by resolve_model), on `device` in `dtype`; frozen: eval, no grads."""
+    """A causal LM from `spec` (resolved by resolve_model), on `device`, its weights stored in `dtype` (fp32 for a
+    policy that is trained: its master weights); frozen: eval, no grads."""
     from transformers import AutoModelForCausalLM
     source = resolve_model(spec)
     try:
@@ -147,32 +163,35 @@ def load_tokenizer(spec: str):
 
 
 def new_value_head(model) -> torch.nn.Linear:
-    """The critic's value head on the policy trunk: final hidden state -> V. Zero-initialised (V = 0 at first)."""
+    """The critic's value head on the policy trunk: final hidden state -> V. Zero-initialised (V = 0 at first), fp32
+    master weights like the policy's."""
     head = torch.nn.Linear(model.config.hidden_size, 1)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
-    return head.to(device=model.device, dtype=next(model.parameters()).dtype)
+    return head.to(device=model.device)
 
 
 def response_logprobs(model, *, input_ids, attention_mask, response_start: int, temperature: float,
-                      with_entropy: bool = False, value_head=None):
+                      with_entropy: bool = False, value_head=None, dtype: torch.dtype = torch.float32):
     """Log-probs of response tokens under `model`, with logits divided by `temperature`; optionally their
-    entropies (detached) and the value head's predictions from the same hidden states.
+    entropies (detached) and the value head's predictions from the same hidden states. The network runs under
+    autocast in `dtype` (the compute dtype; its weights stay as they are); the log-softmax runs in fp32.
 
     input_ids, attention_mask: (B, T), the prompt left-padded to P = response_start columns, the response after it
     (right-padded). Returns (logprobs, entropy or None, values or None), each (B, R); values[:, t] is V of the state
     before response token t. Padded response positions hold garbage: mask them.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) real positions despite left padding
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state[:, response_start - 1:-1]  # (B, R, hidden)
-    logits = model.lm_head(hidden).float() / temperature  # (B, R, V): the state before token t predicts token t
+    with autocast(input_ids.device, dtype):
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).last_hidden_state[:, response_start - 1:-1]  # (B, R, hidden)
+        logits = model.lm_head(hidden)  # (B, R, V): the state before token t predicts token t
+        values = value_head(hidden).squeeze(-1).float() if value_head is not None else None  # (B, R)
+    logits = logits.float() / temperature  # (B, R, V)
     logp_all = F.log_softmax(logits, dim=-1)  # (B, R, V)
     logprobs = logp_all.gather(-1, input_ids[:, response_start:, None]).squeeze(-1)  # (B, R)
-    entropy = values = None
+    entropy = None
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, R)
-    if value_head is not None:
-        values = value_head(hidden).squeeze(-1).float()  # (B, R)
     return logprobs, entropy, values

@@ -5,6 +5,10 @@
     k3    = exp(logp_ref - logp) - (logp_ref - logp) - 1      (an unbiased, non-negative estimator of KL(pi || ref))
 
 The KL term is in the loss, not the reward (paper: kl_coef = 1e-4). Log-probs use logits / sampling temperature.
+Truncated importance sampling (--tis-cap C > 0; Yao et al. 2025) corrects for a sampler whose numbers differ from the
+trainer's (bf16 sampling, vLLM kernels): each token's clipped surrogate is weighted by
+    w = min(exp(logp_old - logp_sampler), C)        logp_old: the trainer's, before the update
+and `sampler_mismatch` measures that gap every iteration.
 A minibatch whose mean ratio exceeds `max_ratio` (10) is skipped: its samples are too far off-policy to trust.
 With a value head (the PPO-critic baseline), vf_coef x the clipped value loss is added:
     value_loss = 0.5 * max((V - G)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - G)^2)
@@ -19,8 +23,10 @@ from tqdm import tqdm
 from model import response_logprobs
 
 
-def ppo_loss(*, logprobs, old_logprobs, ref_logprobs, advantages, mask, clip: float, kl_coef: float):
-    """Clipped PPO loss averaged over response tokens (mask == 1), plus kl_coef * k3 KL to the reference.
+def ppo_loss(*, logprobs, old_logprobs, ref_logprobs, advantages, mask, clip: float, kl_coef: float,
+             tis_weights=None):
+    """Clipped PPO loss averaged over response tokens (mask == 1), plus kl_coef * k3 KL to the reference; with
+    tis_weights (from `tis_weights`), each token's clipped surrogate is weighted by its own.
 
     All inputs (B, R). Returns (loss, stats) with stats approx_kl, clipfrac, kl_ref, ratio (token means, detached).
     """
@@ -29,6 +35,8 @@ def ppo_loss(*, logprobs, old_logprobs, ref_logprobs, advantages, mask, clip: fl
     log_ratio = logprobs - old_logprobs  # (B, R)
     ratio = log_ratio.exp()  # (B, R)
     pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)  # (B, R)
+    if tis_weights is not None:
+        pg = pg * tis_weights
     ref_diff = ref_logprobs - logprobs  # (B, R)
     kl_ref = (ref_diff.exp() - ref_diff - 1).clamp(0, 10)  # (B, R) k3
     loss = ((pg + kl_coef * kl_ref) * mask).sum() / n
@@ -38,6 +46,25 @@ def ppo_loss(*, logprobs, old_logprobs, ref_logprobs, advantages, mask, clip: fl
                  "kl_ref": (kl_ref * mask).sum() / n,
                  "ratio": (ratio * mask).sum() / n}
     return loss, {k: v.item() for k, v in stats.items()}
+
+
+def tis_weights(*, old_logprobs, sampler_logprobs, cap: float):
+    """Truncated importance weights min(pi_old / pi_sampler, cap) per token (B, R): how much likelier the trainer's
+    own numbers make each sampled token than the sampler's did, capped so one token cannot dominate."""
+    return (old_logprobs - sampler_logprobs).exp().clamp(max=cap)
+
+
+def sampler_mismatch(*, trainer_logprobs, sampler_logprobs, mask) -> dict:
+    """How far the sampler's token log-probs are from the trainer's on the same tokens (all (B, R); tokens drawn from
+    the sampler): mean |difference|, the k3 estimate of KL(sampler || trainer), and the fraction of tokens whose
+    ratio pi_trainer / pi_sampler is outside [0.5, 2]."""
+    mask = mask.float()
+    n = mask.sum().clamp(min=1)
+    log_ratio = trainer_logprobs - sampler_logprobs  # (B, R)
+    k3 = log_ratio.exp() - 1 - log_ratio  # (B, R)
+    return {"mismatch_abs_logp": ((log_ratio.abs() * mask).sum() / n).item(),
+            "mismatch_kl": ((k3 * mask).sum() / n).item(),
+            "mismatch_ratio_out": (((log_ratio.abs() > math.log(2)).float() * mask).sum() / n).item()}
 
 
 def value_loss(*, values, old_values, returns, mask, value_clip: float):
@@ -81,9 +108,10 @@ def trim(batch: dict, idx: torch.Tensor, P: int) -> tuple[dict, int]:
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batch_size: int, value_head=None):
-    """Log-probs (B, R) of every response token under `model` (no grad), micro-batch by micro-batch, and the
-    value head's predictions (B, R) when one is given (else None)."""
+def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batch_size: int, value_head=None,
+                   dtype: torch.dtype = torch.float32):
+    """Log-probs (B, R) of every response token under `model` (no grad), micro-batch by micro-batch, computing in
+    `dtype`, and the value head's predictions (B, R) when one is given (else None)."""
     device = next(model.parameters()).device
     logprobs = torch.zeros(batch["response_mask"].shape)
     values = torch.zeros(batch["response_mask"].shape) if value_head is not None else None
@@ -92,7 +120,7 @@ def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batc
         mb, p = trim(batch, idx, P)
         logp, _, v = response_logprobs(model, input_ids=mb["input_ids"].to(device),
                                        attention_mask=mb["attention_mask"].to(device), response_start=p,
-                                       temperature=temperature, value_head=value_head)
+                                       temperature=temperature, value_head=value_head, dtype=dtype)
         logprobs[idx, :logp.shape[1]] = logp.float().cpu()
         if values is not None:
             values[idx, :v.shape[1]] = v.float().cpu()
@@ -102,11 +130,13 @@ def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batc
 def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, epochs: int, minibatch_size: int,
                micro_batch_size: int, clip: float, kl_coef: float, temperature: float, max_grad_norm: float = 1.0,
                max_ratio: float = 10.0, value_head=None, vf_coef: float = 0.1, value_clip: float = 0.2,
-               generator: torch.Generator | None = None) -> dict:
-    """Epochs x minibatches of clipped PPO steps, with gradient accumulation over micro-batches.
+               generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> dict:
+    """Epochs x minibatches of clipped PPO steps, with gradient accumulation over micro-batches; forward and backward
+    compute in `dtype` (autocast) while the weights and AdamW's state stay in the policy's own (fp32) dtype.
 
     batch: input_ids, attention_mask (B, T); response_mask, old_logprobs, ref_logprobs, advantages (B, R); with a
-    value head also old_values and returns (B, R). Returns mean stats over the optimizer steps taken, and `skipped`.
+    value head also old_values and returns (B, R); optionally tis_weights (B, R). Returns mean stats over the
+    optimizer steps taken, and `skipped`.
     """
     device = next(policy.parameters()).device
     policy.train()
@@ -124,9 +154,10 @@ def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, epochs: int
                 mb = {k: v.to(device) for k, v in mb.items()}
                 logp, entropy, values = response_logprobs(
                     policy, input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], response_start=p,
-                    temperature=temperature, with_entropy=True, value_head=value_head)
+                    temperature=temperature, with_entropy=True, value_head=value_head, dtype=dtype)
                 loss, stats = ppo_loss(logprobs=logp, old_logprobs=mb["old_logprobs"], ref_logprobs=mb["ref_logprobs"],
-                                       advantages=mb["advantages"], mask=mb["response_mask"], clip=clip, kl_coef=kl_coef)
+                                       advantages=mb["advantages"], mask=mb["response_mask"], clip=clip, kl_coef=kl_coef,
+                                       tis_weights=mb.get("tis_weights"))
                 if value_head is not None:
                     v_loss, v_stats = value_loss(values=values, old_values=mb["old_values"], returns=mb["returns"],
                                                  mask=mb["response_mask"], value_clip=value_clip)

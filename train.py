@@ -24,7 +24,7 @@ from advantages import critic_advantages, group_baseline_advantages, vine_advant
 from data import encode_prompt, load_split
 from grader import grade
 from model import DEFAULT_MODEL, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
-from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update
+from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update, sampler_mismatch, tis_weights
 from rollout import make_sampler
 from values import estimate_values, step_token_starts, token_step_index
 
@@ -84,8 +84,11 @@ class Config:
                                "transformers' generate", choices=["auto", "hf", "generate", "vllm"])
     gen_batch_size: int = arg(256, "rows per generation batch (transformers samplers)")
     device: str = arg("auto", "auto, cpu or cuda")
-    dtype: str = arg("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16 or float16",
-                     choices=["auto", "float32", "bfloat16", "float16"])
+    dtype: str = arg("auto", "compute dtype of training (autocast), the sampler and the reference; master weights and "
+                             "AdamW stay fp32. auto: bf16 on CUDA and on CPUs with native bf16 (avx512_bf16 / AMX), "
+                             "else fp32", choices=["auto", "float32", "bfloat16"])
+    tis_cap: float = arg(0.0, "truncated importance sampling: weight each token's PPO loss by min(pi_old / "
+                              "pi_sampler, C); 0: off")
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
 
 
@@ -120,6 +123,8 @@ def parse_config(argv=None) -> Config:
                  "save_every", "gen_batch_size"):
         if getattr(cfg, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    if cfg.tis_cap != 0 and cfg.tis_cap < 1:
+        parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
     if not (cfg.step_split == "auto" or cfg.step_split.startswith("tokens:") and cfg.step_split[7:].isdigit()
             and int(cfg.step_split[7:]) > 0):
         parser.error(f"--step-split must be auto or tokens:N with N >= 1 (got {cfg.step_split!r})")
@@ -180,13 +185,13 @@ def main(cfg: Config):
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = pick_device(cfg.device)
-    dtype = pick_dtype(cfg.dtype, device)
+    dtype = pick_dtype(cfg.dtype, device)  # compute dtype; the policy's master weights are fp32
     splits = {split: load_split(cfg.dataset, split, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
                                 arith_max=cfg.arith_max) for split in ("train", "test")}
     train_set, test_set = splits["train"], splits["test"][:cfg.eval_size]
     tokenizer = load_tokenizer(cfg.model)
     source = latest_checkpoint(out_dir) if cfg.resume else cfg.model
-    policy = load_model(str(source), device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    policy = load_model(str(source), device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
     reference = load_model(cfg.model, device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code, frozen=True)
     value_head = new_value_head(policy) if cfg.estimator == "critic" else None
     param_groups = [{"params": policy.parameters(), "lr": cfg.lr}]
@@ -215,8 +220,7 @@ def main(cfg: Config):
         print(f"resumed from {source} at iteration {start}", flush=True)
     stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
     sampler = make_sampler(cfg.sampler, policy=policy, tokenizer=tokenizer, model_path=resolve_model(cfg.model),
-                           dtype=str(dtype).removeprefix("torch."), stop_strings=stop_strings, seed=cfg.seed,
-                           batch_size=cfg.gen_batch_size)
+                           dtype=dtype, stop_strings=stop_strings, seed=cfg.seed, batch_size=cfg.gen_batch_size)
     sampler.sync(policy)
     log = open(out_dir / "metrics.jsonl", "a")
     checkpoint = partial(save_checkpoint, out_dir, policy=policy, value_head=value_head, tokenizer=tokenizer,
@@ -265,7 +269,7 @@ def main(cfg: Config):
                 value_stats["steps_per_response"] = sum(map(len, starts)) / len(starts)
                 flat_values = [v for vs in values for v in vs[:-1]]
             elif cfg.estimator == "critic":
-                old_logprobs, token_values = batch_logprobs(policy, batch, P, temperature=cfg.temperature,
+                old_logprobs, token_values = batch_logprobs(policy, batch, P, temperature=cfg.temperature, dtype=dtype,
                                                             micro_batch_size=cfg.micro_batch_size, value_head=value_head)
                 values = [token_values[i, :len(r)] for i, r in enumerate(responses)]
                 flat_values = torch.cat(values).tolist()
@@ -289,19 +293,26 @@ def main(cfg: Config):
             raw = torch.cat(advantages)
             batch["advantages"] = pad_rows(whiten(advantages) if cfg.whiten else advantages, response_mask.shape[1])
 
-            # 6. PPO epochs: log-probs of the sampling policy and the reference, then clipped updates
+            # 6. PPO epochs: log-probs of the sampling policy and the reference, then clipped updates. The sampler
+            #    computed its own log-probs of the same tokens: their gap is measured, and corrected with --tis-cap.
             t, lr = time.perf_counter(), scheduler.get_last_lr()[0]
             if old_logprobs is None:
-                old_logprobs, _ = batch_logprobs(policy, batch, P, temperature=cfg.temperature,
+                old_logprobs, _ = batch_logprobs(policy, batch, P, temperature=cfg.temperature, dtype=dtype,
                                                  micro_batch_size=cfg.micro_batch_size)
             batch["old_logprobs"] = old_logprobs
-            batch["ref_logprobs"], _ = batch_logprobs(reference, batch, P, temperature=cfg.temperature,
+            batch["ref_logprobs"], _ = batch_logprobs(reference, batch, P, temperature=cfg.temperature, dtype=dtype,
                                                       micro_batch_size=cfg.micro_batch_size)
+            sampler_logprobs = pad_rows([torch.tensor(s.logprobs) for s in samples], response_mask.shape[1])
+            mismatch = sampler_mismatch(trainer_logprobs=old_logprobs, sampler_logprobs=sampler_logprobs,
+                                        mask=response_mask)
+            if cfg.tis_cap > 0:
+                batch["tis_weights"] = tis_weights(old_logprobs=old_logprobs, sampler_logprobs=sampler_logprobs,
+                                                   cap=cfg.tis_cap)
             ppo_stats = ppo_update(policy, optimizer, scheduler, batch, P, epochs=cfg.epochs,
                                    minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
                                    clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
                                    max_grad_norm=cfg.max_grad_norm, value_head=value_head, vf_coef=cfg.vf_coef,
-                                   value_clip=cfg.value_clip)
+                                   value_clip=cfg.value_clip, dtype=dtype)
             seconds["ppo"] = time.perf_counter() - t
 
             # 7. Sampler sync: the sampler must generate from the updated policy
@@ -317,7 +328,7 @@ def main(cfg: Config):
                       "response_length": sum(map(len, responses)) / len(responses),
                       "finished_frac": sum(s.finished for s in samples) / len(samples),
                       "advantage_mean": raw.mean().item(), "advantage_std": raw.std().item() if len(raw) > 1 else 0.0,
-                      "advantage_abs_mean": raw.abs().mean().item(), "lr": lr, **value_stats, **ppo_stats}
+                      "advantage_abs_mean": raw.abs().mean().item(), "lr": lr, **value_stats, **ppo_stats, **mismatch}
             generated = sum(map(len, responses)) + value_stats.get("vine_tokens", 0)
             record["tokens_per_s"] = generated / (seconds["rollout"] + seconds["values"])
             if done % cfg.eval_every == 0 or done == cfg.iterations or out_of_time:

@@ -67,10 +67,14 @@ class FakeTokenizer:
 
 def test_cut_at_stop():
     tok = FakeTokenizer()
-    assert cut_at_stop([1, 4, 0, 1], tokenizer=tok, stop_ids={0}, stop_strings=[], limit=10) == Sample([1, 4, 0], "ab", True)
-    assert cut_at_stop([1, 4, 1], tokenizer=tok, stop_ids={0}, stop_strings=[], limit=2) == Sample([1, 4], "ab", False)
-    cut = cut_at_stop([1, 2, 3, 4], tokenizer=tok, stop_ids={0}, stop_strings=["\n\n\nProblem:"], limit=10)
-    assert cut == Sample([1, 2, 3], "a\n\n\nProblem:", True)
+    lps = [-0.1, -0.2, -0.3, -0.4]
+    assert cut_at_stop([1, 4, 0, 1], logprobs=lps, tokenizer=tok, stop_ids={0}, stop_strings=[],
+                       limit=10) == Sample([1, 4, 0], "ab", True, [-0.1, -0.2, -0.3])
+    assert cut_at_stop([1, 4, 1], logprobs=lps[:3], tokenizer=tok, stop_ids={0}, stop_strings=[],
+                       limit=2) == Sample([1, 4], "ab", False, [-0.1, -0.2])
+    cut = cut_at_stop([1, 2, 3, 4], logprobs=lps, tokenizer=tok, stop_ids={0}, stop_strings=["\n\n\nProblem:"],
+                      limit=10)
+    assert cut == Sample([1, 2, 3], "a\n\n\nProblem:", True, [-0.1, -0.2, -0.3])
 
 
 def test_prefix_reuse_gives_the_same_tokens_as_fresh_prefill(smol, prompts):
@@ -130,8 +134,9 @@ def test_top_p_sampling_matches_the_nucleus_distribution(vocab, top_p):
     keep[order[(probs[order].cumsum(0) - probs[order]) < top_p]] = True
     nucleus = torch.where(keep, probs, 0.0) / probs[keep].sum()
     rows = 20000
-    tokens = sample_tokens(logits.expand(rows, -1), temperature=0.7, top_p=top_p, seed=0, rows=torch.arange(rows),
-                           step=0)
+    tokens, logprobs = sample_tokens(logits.expand(rows, -1), temperature=0.7, top_p=top_p, seed=0,
+                                     rows=torch.arange(rows), step=0)
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits / 0.7, -1)[tokens])  # full softmax, not nucleus
     freq = torch.bincount(tokens, minlength=vocab).float() / rows
     assert freq[~keep].sum() == 0
     assert (freq - nucleus).abs().max() < 4 * (nucleus.max() / rows) ** 0.5 + 1e-3

@@ -22,7 +22,8 @@ def test_config_defaults_and_derived_values():
     assert parse_config(["--no-whiten", "--k", "3"]).whiten is False
 
 
-@pytest.mark.parametrize("argv", [["--k", "0"], ["--step-split", "lines"], ["--dataset", "svamp"], ["--iterations", "x"]])
+@pytest.mark.parametrize("argv", [["--k", "0"], ["--step-split", "lines"], ["--dataset", "svamp"], ["--iterations", "x"],
+                                  ["--tis-cap", "0.5"], ["--dtype", "float16"]])
 def test_bad_flags_are_one_line_errors(argv, capsys):
     with pytest.raises(SystemExit):
         parse_config(argv)
@@ -44,6 +45,7 @@ def run_train(args, data_dir, out_dir, **kwargs):
 
 
 def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     out = tmp_path / "OUT"
     proc = run_train(["--iterations", "1", "--eval-every", "1"], data_dir, out)
@@ -54,11 +56,13 @@ def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
     first = records[1]
     for key in ("reward_mean", "value_mean", "advantage_std", "approx_kl", "clipfrac", "entropy", "kl_ref",
                 "value_states", "vines", "vine_tokens", "tokens_per_s", "seconds_rollout", "seconds_values",
-                "seconds_ppo", "eval_accuracy"):
+                "seconds_ppo", "eval_accuracy", "mismatch_abs_logp", "mismatch_kl", "mismatch_ratio_out"):
         assert key in first, key
     assert first["vines"] == 2 * first["value_states"] and first["optimizer_steps"] >= 1
     trained = AutoModelForCausalLM.from_pretrained(out / "ckpt-000001")  # a plain HF checkpoint
     assert torch.isfinite(trained(torch.tensor([[1, 2, 3]])).logits).all()
+    saved = load_file(out / "ckpt-000001" / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32}  # the master weights, whatever --dtype computes in
     state = torch.load(out / "ckpt-000001" / "trainer_state.pt", weights_only=False)
     steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
     assert state["iteration"] == 1 and steps == {first["optimizer_steps"]}  # the optimizer really stepped

@@ -104,8 +104,8 @@ class ScriptedSampler:
         out = []
         for seq, L in zip(sequences, prefix_lens):
             w = self.wins[L - 2]  # prompts have 2 tokens
-            out.append([Sample([3, 9], "#### 1", True)] * w + [Sample([3], "#### 1", False)] +
-                       [Sample([4, 9], "#### 0", True)] * (n - w - 1))
+            out.append([Sample([3, 9], "#### 1", True, [0.0, 0.0])] * w + [Sample([3], "#### 1", False, [0.0])] +
+                       [Sample([4, 9], "#### 0", True, [0.0, 0.0])] * (n - w - 1))
         return out
 
 
