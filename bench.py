@@ -1,4 +1,5 @@
-"""Sampler benchmark: our decode loop (rollout.HFSampler) against transformers `generate`, and the VinePPO pattern.
+"""Sampler benchmark: our decode loop (rollout.HFSampler) against transformers `generate`, in fp32 and bf16, and the
+VinePPO pattern.
 
     python bench.py                      # a few minutes on a 2-core CPU
     python bench.py --batches 1,8,64     # a subset
@@ -9,13 +10,17 @@
 2. Throughput: b distinct prompts of --prompt-len tokens, --new-tokens each (EOS ignored, so every row generates
    exactly that many), T = 0.6, top_p = 0.9, for `generate` and ours. "decode" tok/s counts the generation phase
    only (from the first sampled token on; the prompt's prefill excluded): that is what the limit describes. "e2e"
-   includes the prefill of the prompts (the same FLOPs per prompt token as per generated token).
+   includes the prefill of the prompts (the same FLOPs per prompt token as per generated token). "bf16" is our
+   sampler on its bf16 copy of the weights (what --dtype auto picks on a CPU with native bf16), beside fp32.
 3. The VinePPO pattern: 8 responses of ~250 tokens, 4 steps each, K = 8 vines of 64 tokens per state.
    naive = every vine prefilled from scratch; reuse = sample_prefixes (one prefill per response; the vines of a state
    attend to a view of it); alone = the same vine tokens generated from a 1-token prompt (nothing to prefill and
    almost nothing to attend to): the cost of the new tokens alone.
+4. Greedy agreement: 64-token greedy continuations of --agree-prompts real prompts in fp32 and in bf16; how many
+   leading tokens agree before the first difference (a near-tie flips, and the texts part ways after it).
 The last line: speedup_b64=<ours/generate, decode, at 64> frac_b256=<ours decode/limit at 256>
-reuse_overhead=<reuse/alone> reuse_vs_naive=<naive/reuse>.
+reuse_overhead=<reuse/alone> reuse_vs_naive=<naive/reuse> bf16_vs_fp32_b64=<ours bf16/ours fp32, decode, at 64>
+bf16_vs_fp32_b256=<the same at 256>.
 """
 import argparse
 import os
@@ -112,12 +117,14 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=167)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--agree-prompts", type=int, default=16)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, device=torch.device("cpu"), dtype=torch.float32, frozen=True)
     sampler = HFSampler(model, tokenizer, batch_size=256)
-    sampler.stop_ids = set()  # no EOS: every row generates exactly the tokens asked for
+    bf16 = HFSampler(model, tokenizer, batch_size=256, dtype=torch.bfloat16)
+    sampler.stop_ids = bf16.stop_ids = set()  # no EOS: every row generates exactly the tokens asked for
     print(f"threads {args.threads}; matmul 1024^3: {matmul_gflops(1024, 1024, 1024):.0f} GFLOP/s", flush=True)
 
     bandwidth, cfg = read_bandwidth(), model.config
@@ -134,12 +141,15 @@ def main():
         tokens = b * args.new_tokens
         gen_total, gen_decode = run_generate(model, prompts, args.new_tokens)
         ours_total, ours_decode = run_ours(sampler, prompts, args.new_tokens)
+        bf16_total, bf16_decode = run_ours(bf16, prompts, args.new_tokens)
         gen, ours = tokens / gen_decode, tokens / ours_decode
-        results[b] = (gen, ours, limit)
+        results[b] = (gen, ours, limit, tokens / bf16_decode)
         print(f"batch {b:4d}: limit {limit:6.1f} tok/s ({gflop / b:.3f} GFLOP/token at {gflop / step_seconds:5.1f} "
               f"GFLOP/s; with KV reads {floor:6.1f}) | decode: generate {gen:6.1f} ({gen / limit:4.0%}), ours "
               f"{ours:6.1f} ({ours / limit:4.0%}), {ours / gen:4.2f}x | e2e: generate {tokens / gen_total:6.1f}, "
-              f"ours {tokens / ours_total:6.1f}, {gen_total / ours_total:4.2f}x", flush=True)
+              f"ours {tokens / ours_total:6.1f}, {gen_total / ours_total:4.2f}x | bf16: decode {tokens / bf16_decode:6.1f} "
+              f"({ours_decode / bf16_decode:4.2f}x fp32), e2e {tokens / bf16_total:6.1f} "
+              f"({ours_total / bf16_total:4.2f}x)", flush=True)
 
     # The VinePPO pattern: 8 responses x 4 states x K = 8 vines x 64 tokens.
     K, vine_tokens, starts = 8, 64, [0, 62, 125, 187]
@@ -157,13 +167,26 @@ def main():
                       repeats=1)
     sampler.reuse_prefixes = True
     alone = best_time(lambda: sampler.sample([[s[0]] for s in seqs], n=K, **kwargs), repeats=1)
+    reuse_bf16 = best_time(lambda: bf16.sample_prefixes(seqs, lens, n=K, **kwargs), repeats=1)
     total = len(seqs) * K * vine_tokens
     print(f"vine pattern ({len(seqs)} states x K={K} x {vine_tokens} tokens = {total} tokens): naive {naive:.1f}s, "
           f"prefix reuse {reuse:.1f}s (prefill {reuse - reuse_decode:.1f}s + decode {reuse_decode:.1f}s), the same "
-          f"tokens from a 1-token prompt {alone:.1f}s", flush=True)
+          f"tokens from a 1-token prompt {alone:.1f}s; prefix reuse in bf16 {reuse_bf16:.1f}s "
+          f"({reuse / reuse_bf16:.2f}x fp32)", flush=True)
+
+    # Greedy agreement of the bf16 sampler with the fp32 one.
+    prompts = bench_prompts(tokenizer, args.agree_prompts, args.prompt_len, args.data_dir)
+    kwargs = dict(n=1, temperature=0.0, top_p=1.0, max_new_tokens=64)
+    agree = [next((i for i, (x, y) in enumerate(zip(a[0].token_ids, b[0].token_ids)) if x != y), 64)
+             for a, b in zip(sampler.sample(prompts, **kwargs), bf16.sample(prompts, **kwargs))]
+    print(f"greedy bf16 vs fp32, 64 tokens from {len(agree)} prompts: leading tokens in agreement {sorted(agree)} "
+          f"(median {sorted(agree)[len(agree) // 2]}, all 64 in {agree.count(64)})", flush=True)
+
     line = f"reuse_overhead={reuse / alone:.2f} reuse_vs_naive={naive / reuse:.2f}"
     if 64 in results and 256 in results:
         line = f"speedup_b64={results[64][1] / results[64][0]:.2f} frac_b256={results[256][1] / results[256][2]:.2f} " + line
+        line += (f" bf16_vs_fp32_b64={results[64][3] / results[64][1]:.2f} "
+                 f"bf16_vs_fp32_b256={results[256][3] / results[256][1]:.2f}")
     print(line)
 
 

@@ -173,9 +173,10 @@ def to_rows(x: torch.Tensor, prefix: dict, Hkv: int) -> torch.Tensor:
 def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_keys, prefix_values, suffix_keys,
                      suffix_values, step: int) -> torch.Tensor:
     """Decoding one token per row (t = 1). Row r attends to its prefix, a view of the prefill cache (never copied),
-    and to the `step + 1` tokens it generated, kept in suffix_keys/values (L, B, Hkv, S, D). The prefix cache
-    (L, S, Hkv, D, Wp) is stored transposed: on this CPU both of its batched matmuls then run at the speed of reading
-    the cache, 1.25-1.9x faster than on (Wp, D) blocks. The scores of both parts are joined for one fp32 softmax;
+    and to the `step + 1` tokens it generated, kept in suffix_keys/values (L, B, Hkv, S, D), in fp32 whatever the
+    model's dtype: they are few per row, and on this CPU bf16's tiny per-row matmuls run slower than fp32's. The
+    prefix cache (L, S, Hkv, D, Wp) is stored transposed: on this CPU both of its batched matmuls then run at the
+    speed of reading the cache, 1.25-1.9x faster than on (Wp, D) blocks. The scores of both parts are joined for one fp32 softmax;
     the weights go back to the cache's dtype for the two weighted sums."""
     B, H, _, D = q.shape
     Hkv = k.shape[1]
@@ -193,12 +194,13 @@ def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_
     scores_p = torch.baddbmm(prefix["bias"], qp, pk)  # (S * Hkv, R * G, Wp), masked by the bias
     scores_p = scores_p.view(B, Hkv, G, Wp) if one_each else to_rows(scores_p, prefix, Hkv)  # (B, Hkv, G, Wp)
     sk, sv = suffix_keys[layer][:, :, :step + 1], suffix_values[layer][:, :, :step + 1]  # (B, Hkv, step + 1, D)
-    scores_s = torch.matmul(q, sk.transpose(-1, -2))  # (B, Hkv, G, step + 1)
+    scores_s = torch.matmul(q.float(), sk.transpose(-1, -2))  # (B, Hkv, G, step + 1)
     # 2. One softmax over both parts, in fp32.
-    weights = torch.softmax(torch.cat([scores_p, scores_s], -1).float(), dim=-1).to(q.dtype)  # (B, Hkv, G, Wp+s)
-    # 3. Weighted sums: the prefix values sequence-major again, the generated tokens' row by row.
-    w_p = weights[..., :Wp].reshape(S * Hkv, G, Wp) if one_each else to_sequences(weights[..., :Wp], prefix)
+    weights = torch.softmax(torch.cat([scores_p.float(), scores_s], -1), dim=-1)  # (B, Hkv, G, Wp + step + 1)
+    # 3. Weighted sums: the prefix values sequence-major again (in the cache's dtype), the generated tokens' row by row.
+    w_p = weights[..., :Wp].to(pv.dtype)  # (B, Hkv, G, Wp)
+    w_p = w_p.reshape(S * Hkv, G, Wp) if one_each else to_sequences(w_p, prefix)  # (S * Hkv, R * G, Wp)
     out_p = torch.bmm(w_p, pv.transpose(1, 2))  # (S * Hkv, R * G, D)
     out_p = out_p.view(B, Hkv, G, D) if one_each else to_rows(out_p, prefix, Hkv)  # (B, Hkv, G, D)
-    out = out_p + torch.matmul(weights[..., Wp:], sv)  # (B, Hkv, G, D)
-    return out.reshape(B, H, 1, D)
+    out = out_p.float() + torch.matmul(weights[..., Wp:], sv)  # (B, Hkv, G, D)
+    return out.reshape(B, H, 1, D).to(q.dtype)

@@ -103,13 +103,13 @@ class HFSampler:
             self.buffers[name] = like.new_zeros(numel, dtype=dtype)
         return self.buffers[name][:numel].view(shape)
 
-    def cache_views(self, prefix: str, batch: int, width: int, transposed: bool):
+    def cache_views(self, prefix: str, batch: int, width: int, transposed: bool, dtype: torch.dtype | None = None):
         """Keys and values (L, B, Hkv, W, D) for `batch` rows of `width` positions; (L, B, Hkv, D, W) if
-        transposed (the prefill cache: decoding.decode_attention says why)."""
+        transposed (the prefill cache: decoding.decode_attention says why). In the model's dtype unless `dtype`."""
         cfg = self.model.config
         D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads) + ((D, width) if transposed else (width, D))
-        return self.buffer(prefix + "keys", shape), self.buffer(prefix + "values", shape)
+        return self.buffer(prefix + "keys", shape, dtype), self.buffer(prefix + "values", shape, dtype)
 
     def sample(self, prompts, **kwargs):
         return self.sample_prefixes(prompts, [len(p) for p in prompts], **kwargs)
@@ -190,7 +190,8 @@ class HFSampler:
         G = cfg.num_attention_heads // cfg.num_key_value_heads
         slots, lens = [s for s, _, _, _ in batch], [L for _, L, _, _ in batch]
         budgets = [b for _, _, b, _ in batch]
-        suffix_keys, suffix_values = self.cache_views("decode_", B, max(budgets), transposed=False)
+        suffix_keys, suffix_values = self.cache_views("decode_", B, max(budgets), transposed=False,
+                                                      dtype=torch.float32)  # fp32 whatever the model's dtype
         V = self.model.lm_head.weight.shape[0]
         logits = self.buffer("logits", (B, V))  # (B, V), refilled every step
         scratch = self.buffer("logits_fp32", (min(B, 64), V), dtype=torch.float32)  # (chunk, V) sampling in fp32

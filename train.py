@@ -192,7 +192,8 @@ def main(cfg: Config):
     tokenizer = load_tokenizer(cfg.model)
     source = latest_checkpoint(out_dir) if cfg.resume else cfg.model
     policy = load_model(str(source), device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
-    reference = load_model(cfg.model, device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code, frozen=True)
+    reference = load_model(cfg.model, device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+                           frozen=True)  # fp32 like the policy: in bf16, KL(policy || reference) starts at 0.011
     value_head = new_value_head(policy) if cfg.estimator == "critic" else None
     param_groups = [{"params": policy.parameters(), "lr": cfg.lr}]
     if value_head is not None:

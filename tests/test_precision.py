@@ -94,10 +94,10 @@ def test_decode_attention_equals_plain_softmax_attention(dtype, tol, shared):
     keys = torch.randn(L, len(seq_lens), Hkv, D, W, generator=g).to(dtype)  # right-aligned, transposed cache
     values = torch.randn(L, len(seq_lens), Hkv, D, W, generator=g).to(dtype)
     cache = {"keys": keys, "values": values, "lens": seq_lens, "width": W}
-    suffix_keys = torch.zeros(L, B, Hkv, 8, D, dtype=dtype)
-    suffix_values = torch.zeros(L, B, Hkv, 8, D, dtype=dtype)
-    suffix_keys[:, :, :, :step] = torch.randn(L, B, Hkv, step, D, generator=g).to(dtype)
-    suffix_values[:, :, :, :step] = torch.randn(L, B, Hkv, step, D, generator=g).to(dtype)
+    suffix_keys = torch.zeros(L, B, Hkv, 8, D)  # the generated tokens' cache is fp32 whatever the model's dtype
+    suffix_values = torch.zeros(L, B, Hkv, 8, D)
+    suffix_keys[:, :, :, :step] = torch.randn(L, B, Hkv, step, D, generator=g)
+    suffix_values[:, :, :, :step] = torch.randn(L, B, Hkv, step, D, generator=g)
     layout = prefix_layout(slots=slots, lens=lens, cache=cache, heads_per_kv=G)
     q = torch.randn(B, Hkv * G, 1, D, generator=g).to(dtype)
     k, v = (torch.randn(B, Hkv, 1, D, generator=g).to(dtype) for _ in range(2))
