@@ -107,16 +107,24 @@ def trim(batch: dict, idx: torch.Tensor, P: int) -> tuple[dict, int]:
     return out, P - left
 
 
+def micro_batches(n: int, *, size: int, generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """A random partition of n episodes into groups of `size` (the last may be smaller), fixed for the iteration: the
+    old, reference and new log-probs are all computed on these same groups, padded the same way. In bf16 a token
+    scored in two differently padded groups moves by ~0.04 nats (the kernels round differently for different
+    shapes); on the same group the forward pass repeats exactly, so the PPO ratio starts at exactly 1."""
+    perm = torch.randperm(n, generator=generator)
+    return [perm[i:i + size] for i in range(0, n, size)]
+
+
 @torch.no_grad()
-def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batch_size: int, value_head=None,
+def batch_logprobs(model, batch: dict, P: int, *, groups: list[torch.Tensor], temperature: float, value_head=None,
                    dtype: torch.dtype = torch.float32):
-    """Log-probs (B, R) of every response token under `model` (no grad), micro-batch by micro-batch, computing in
-    `dtype`, and the value head's predictions (B, R) when one is given (else None)."""
+    """Log-probs (B, R) of every response token under `model` (no grad), micro-batch by micro-batch (`groups`, from
+    micro_batches), computing in `dtype`, and the value head's predictions (B, R) when one is given (else None)."""
     device = next(model.parameters()).device
     logprobs = torch.zeros(batch["response_mask"].shape)
     values = torch.zeros(batch["response_mask"].shape) if value_head is not None else None
-    for start in range(0, len(logprobs), micro_batch_size):
-        idx = torch.arange(start, min(start + micro_batch_size, len(logprobs)))
+    for idx in groups:
         mb, p = trim(batch, idx, P)
         logp, _, v = response_logprobs(model, input_ids=mb["input_ids"].to(device),
                                        attention_mask=mb["attention_mask"].to(device), response_start=p,
@@ -127,12 +135,14 @@ def batch_logprobs(model, batch: dict, P: int, *, temperature: float, micro_batc
     return logprobs, values
 
 
-def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, epochs: int, minibatch_size: int,
-               micro_batch_size: int, clip: float, kl_coef: float, temperature: float, max_grad_norm: float = 1.0,
+def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor], epochs: int,
+               minibatch_size: int, clip: float, kl_coef: float, temperature: float, max_grad_norm: float = 1.0,
                max_ratio: float = 10.0, value_head=None, vf_coef: float = 0.1, value_clip: float = 0.2,
                generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> dict:
     """Epochs x minibatches of clipped PPO steps, with gradient accumulation over micro-batches; forward and backward
     compute in `dtype` (autocast) while the weights and AdamW's state stay in the policy's own (fp32) dtype.
+    A minibatch is minibatch_size / (micro-batch size) consecutive `groups` (micro_batches); each epoch takes the
+    minibatches in a new random order (their members stay: see micro_batches).
 
     batch: input_ids, attention_mask (B, T); response_mask, old_logprobs, ref_logprobs, advantages (B, R); with a
     value head also old_values and returns (B, R); optionally tis_weights (B, R). Returns mean stats over the
@@ -140,17 +150,17 @@ def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, epochs: int
     """
     device = next(policy.parameters()).device
     policy.train()
-    B, totals, steps, skipped = len(batch["input_ids"]), {}, 0, 0
-    bar = tqdm(total=epochs * math.ceil(B / minibatch_size), desc="ppo", leave=False)
+    per = max(1, minibatch_size // len(groups[0]))
+    minibatches = [groups[i:i + per] for i in range(0, len(groups), per)]
+    totals, steps, skipped = {}, 0, 0
+    bar = tqdm(total=epochs * len(minibatches), desc="ppo", leave=False)
     for _ in range(epochs):
-        perm = torch.randperm(B, generator=generator)
-        for mb_start in range(0, B, minibatch_size):
+        for m in torch.randperm(len(minibatches), generator=generator).tolist():
             bar.update()
-            mb_idx = perm[mb_start:mb_start + minibatch_size]
-            n_tokens = batch["response_mask"][mb_idx].sum().clamp(min=1)
+            n_tokens = sum(batch["response_mask"][idx].sum() for idx in minibatches[m]).clamp(min=1)
             acc = {}
-            for start in range(0, len(mb_idx), micro_batch_size):
-                mb, p = trim(batch, mb_idx[start:start + micro_batch_size], P)
+            for idx in minibatches[m]:
+                mb, p = trim(batch, idx, P)
                 mb = {k: v.to(device) for k, v in mb.items()}
                 logp, entropy, values = response_logprobs(
                     policy, input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], response_start=p,

@@ -24,7 +24,7 @@ from advantages import critic_advantages, group_baseline_advantages, vine_advant
 from data import encode_prompt, load_split
 from grader import grade
 from model import DEFAULT_MODEL, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
-from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update, sampler_mismatch, tis_weights
+from ppo import batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_update, sampler_mismatch, tis_weights
 from rollout import make_sampler
 from values import estimate_values, step_token_starts, token_step_index
 
@@ -123,6 +123,9 @@ def parse_config(argv=None) -> Config:
                  "save_every", "gen_batch_size"):
         if getattr(cfg, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    if cfg.minibatch_size % cfg.micro_batch_size:
+        parser.error(f"--minibatch-size ({cfg.minibatch_size}) must be a multiple of --micro-batch-size "
+                     f"({cfg.micro_batch_size})")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
     if not (cfg.step_split == "auto" or cfg.step_split.startswith("tokens:") and cfg.step_split[7:].isdigit()
@@ -257,6 +260,7 @@ def main(cfg: Config):
             rewards = [grade(s.text, a, dataset=cfg.dataset, truncated=not s.finished) for s, a in zip(samples, answers)]
             input_ids, attention_mask, response_mask, P = pad_episodes(prompts, responses, pad_id=tokenizer.pad_token_id)
             batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+            micro = micro_batches(len(responses), size=cfg.micro_batch_size)  # the same groups for every pass
 
             # 4. Values. vine: split into steps, K vines from the state before every step. critic: the value head.
             t, value_stats, old_logprobs = time.perf_counter(), {}, None
@@ -270,8 +274,8 @@ def main(cfg: Config):
                 value_stats["steps_per_response"] = sum(map(len, starts)) / len(starts)
                 flat_values = [v for vs in values for v in vs[:-1]]
             elif cfg.estimator == "critic":
-                old_logprobs, token_values = batch_logprobs(policy, batch, P, temperature=cfg.temperature, dtype=dtype,
-                                                            micro_batch_size=cfg.micro_batch_size, value_head=value_head)
+                old_logprobs, token_values = batch_logprobs(policy, batch, P, groups=micro, temperature=cfg.temperature,
+                                                            dtype=dtype, value_head=value_head)
                 values = [token_values[i, :len(r)] for i, r in enumerate(responses)]
                 flat_values = torch.cat(values).tolist()
             if cfg.estimator in ("vine", "critic"):
@@ -298,19 +302,19 @@ def main(cfg: Config):
             #    computed its own log-probs of the same tokens: their gap is measured, and corrected with --tis-cap.
             t, lr = time.perf_counter(), scheduler.get_last_lr()[0]
             if old_logprobs is None:
-                old_logprobs, _ = batch_logprobs(policy, batch, P, temperature=cfg.temperature, dtype=dtype,
-                                                 micro_batch_size=cfg.micro_batch_size)
+                old_logprobs, _ = batch_logprobs(policy, batch, P, groups=micro, temperature=cfg.temperature,
+                                                 dtype=dtype)
             batch["old_logprobs"] = old_logprobs
-            batch["ref_logprobs"], _ = batch_logprobs(reference, batch, P, temperature=cfg.temperature, dtype=dtype,
-                                                      micro_batch_size=cfg.micro_batch_size)
+            batch["ref_logprobs"], _ = batch_logprobs(reference, batch, P, groups=micro, temperature=cfg.temperature,
+                                                      dtype=dtype)
             sampler_logprobs = pad_rows([torch.tensor(s.logprobs) for s in samples], response_mask.shape[1])
             mismatch = sampler_mismatch(trainer_logprobs=old_logprobs, sampler_logprobs=sampler_logprobs,
                                         mask=response_mask)
             if cfg.tis_cap > 0:
                 batch["tis_weights"] = tis_weights(old_logprobs=old_logprobs, sampler_logprobs=sampler_logprobs,
                                                    cap=cfg.tis_cap)
-            ppo_stats = ppo_update(policy, optimizer, scheduler, batch, P, epochs=cfg.epochs,
-                                   minibatch_size=cfg.minibatch_size, micro_batch_size=cfg.micro_batch_size,
+            ppo_stats = ppo_update(policy, optimizer, scheduler, batch, P, groups=micro, epochs=cfg.epochs,
+                                   minibatch_size=cfg.minibatch_size,
                                    clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
                                    max_grad_norm=cfg.max_grad_norm, value_head=value_head, vf_coef=cfg.vf_coef,
                                    value_clip=cfg.value_clip, dtype=dtype)

@@ -8,7 +8,8 @@ import torch
 
 import model as model_mod
 from decoding import decode_attention, prefix_layout
-from ppo import pad_episodes, pad_rows, batch_logprobs, ppo_loss, ppo_update, sampler_mismatch, tis_weights
+from ppo import (batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_loss, ppo_update, sampler_mismatch,
+                 tis_weights)
 from rollout import GenerateSampler, HFSampler
 
 
@@ -37,7 +38,8 @@ def fraction_moved_by_one_step(model, tokenizer, *, weights: torch.dtype, comput
     actually changed."""
     policy = copy.deepcopy(model).to(weights).requires_grad_(True)
     batch, P = tiny_batch(tokenizer)
-    batch["old_logprobs"], _ = batch_logprobs(policy, batch, P, temperature=1.0, micro_batch_size=2, dtype=compute)
+    batch["old_logprobs"], _ = batch_logprobs(policy, batch, P, groups=micro_batches(2, size=2), temperature=1.0,
+                                              dtype=compute)
     batch["ref_logprobs"] = batch["old_logprobs"]
     batch["advantages"] = pad_rows([torch.ones(n) for n in batch["response_mask"].sum(1).tolist()],
                                    batch["response_mask"].shape[1])
@@ -47,8 +49,8 @@ def fraction_moved_by_one_step(model, tokenizer, *, weights: torch.dtype, comput
     grads = {}
     optimizer.register_step_pre_hook(
         lambda *_: grads.update({n: p.grad.clone() for n, p in policy.named_parameters()}))
-    stats = ppo_update(policy, optimizer, scheduler, batch, P, epochs=1, minibatch_size=2, micro_batch_size=2, clip=0.2,
-                       kl_coef=1e-4, temperature=1.0, dtype=compute)
+    stats = ppo_update(policy, optimizer, scheduler, batch, P, groups=micro_batches(2, size=2), epochs=1,
+                       minibatch_size=2, clip=0.2, kl_coef=1e-4, temperature=1.0, dtype=compute)
     assert stats["optimizer_steps"] == 1
     has_grad = changed = 0
     for name, p in policy.named_parameters():
@@ -69,6 +71,28 @@ def test_one_adamw_step_at_lr_1e6_moves_the_fp32_master_weights(smol):
     bf16_weights = fraction_moved_by_one_step(model, tokenizer, weights=torch.bfloat16, compute=torch.bfloat16)
     assert fp32 > 0.999 and mixed > 0.999, (fp32, mixed)
     assert bf16_weights < 0.2, bf16_weights
+
+
+def test_fixed_micro_batches_make_the_bf16_ratio_start_at_one(smol):
+    """In bf16 the same tokens scored in differently padded micro-batches differ (kernels round differently per
+    shape); scored in the same micro-batches they repeat exactly, so PPO's first ratio is exactly 1."""
+    model, tokenizer = smol
+    batch, P = tiny_batch(tokenizer)
+    for key in ("input_ids", "attention_mask", "response_mask"):
+        batch[key] = torch.cat([batch[key], batch[key].flip(0)])  # 4 episodes
+    together = batch_logprobs(model, batch, P, groups=micro_batches(4, size=4), temperature=1.0, dtype=torch.bfloat16)[0]
+    alone = batch_logprobs(model, batch, P, groups=micro_batches(4, size=1), temperature=1.0, dtype=torch.bfloat16)[0]
+    assert not torch.equal(together * batch["response_mask"], alone * batch["response_mask"])
+    policy = copy.deepcopy(model).requires_grad_(True)
+    groups = micro_batches(4, size=2)
+    batch["old_logprobs"], _ = batch_logprobs(policy, batch, P, groups=groups, temperature=1.0, dtype=torch.bfloat16)
+    batch["ref_logprobs"] = batch["old_logprobs"]
+    batch["advantages"] = batch["response_mask"].float()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    stats = ppo_update(policy, optimizer, scheduler, batch, P, groups=groups, epochs=1, minibatch_size=4, clip=0.2,
+                       kl_coef=1e-4, temperature=1.0, dtype=torch.bfloat16)
+    assert stats["optimizer_steps"] == 1 and stats["ratio"] == 1.0 and stats["approx_kl"] == 0.0, stats
 
 
 def naive_attention(q, keys, values):
@@ -139,7 +163,7 @@ def test_sampler_logprobs_are_the_trainers_in_fp32(smol, prompts, kind):
     groups = sampler.sample(prompts, n=2, temperature=0.6, top_p=0.9, max_new_tokens=20, seed=3)
     batch, P, samples = response_batch(prompts, groups, tokenizer)
     assert all(len(s.logprobs) == len(s.token_ids) for s in samples)
-    trainer, _ = batch_logprobs(model, batch, P, temperature=0.6, micro_batch_size=4)
+    trainer, _ = batch_logprobs(model, batch, P, groups=micro_batches(len(samples), size=4), temperature=0.6)
     mine = pad_rows([torch.tensor(s.logprobs) for s in samples], batch["response_mask"].shape[1])
     gap = sampler_mismatch(trainer_logprobs=trainer, sampler_logprobs=mine, mask=batch["response_mask"])
     assert gap["mismatch_abs_logp"] < 1e-3 and gap["mismatch_ratio_out"] == 0, gap
@@ -155,7 +179,7 @@ def test_bf16_sampler_copy_sync_and_mismatch(smol, prompts):
     assert next(model.parameters()).dtype == torch.float32  # the policy itself is untouched
     groups = sampler.sample(prompts, n=2, temperature=0.6, top_p=0.9, max_new_tokens=24, seed=3)
     batch, P, samples = response_batch(prompts, groups, tokenizer)
-    trainer, _ = batch_logprobs(model, batch, P, temperature=0.6, micro_batch_size=4)
+    trainer, _ = batch_logprobs(model, batch, P, groups=micro_batches(len(samples), size=4), temperature=0.6)
     mine = pad_rows([torch.tensor(s.logprobs) for s in samples], batch["response_mask"].shape[1])
     gap = sampler_mismatch(trainer_logprobs=trainer, sampler_logprobs=mine, mask=batch["response_mask"])
     assert 1e-4 < gap["mismatch_abs_logp"] < 0.1 and gap["mismatch_ratio_out"] < 0.05, gap
