@@ -64,6 +64,8 @@ def read_jsonl(path: Path, *, dataset: str) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise SystemExit(f"error: {path}:{number}: not valid JSON ({e.msg})") from None
             examples.append(to_example(row, dataset=dataset, where=f"{path}:{number}"))
+    if not examples:
+        raise SystemExit(f"error: {path}: no rows")
     return examples
 
 

@@ -63,6 +63,12 @@ def test_missing_folder_and_offline_errors(tmp_path, monkeypatch):
         load_split("svamp", "train", data_dir=str(tmp_path))
 
 
+def test_empty_split_is_a_one_line_error(tmp_path):
+    write_jsonl(tmp_path / "gsm8k" / "train.jsonl", ["", "  "])
+    with pytest.raises(SystemExit, match="train.jsonl: no rows"):
+        load_split("gsm8k", "train", data_dir=str(tmp_path))
+
+
 @needs_data
 @pytest.mark.parametrize("dataset, split, rows", [("gsm8k", "train", 7473), ("gsm8k", "test", 1319),
                                                   ("math", "train", 4500), ("math", "test", 500)])

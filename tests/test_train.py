@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from train import Config, lr_factor, parse_config
+from config import Config, parse_config
+from train import lr_factor
 
 
 def test_config_defaults_and_derived_values():

@@ -1,0 +1,193 @@
+"""The run's files, written so that a kill at any point leaves a run that --resume continues, losing at most the
+iteration in progress.
+
+    OUT/metrics.jsonl     one line per iteration, written (and fsynced) before that iteration's checkpoint
+    OUT/ckpt-NNNNNN/      a Hugging Face folder + trainer_state.pt (+ value_head.pt), written as .tmp-ckpt-* and renamed
+    OUT/latest            names the committed checkpoint; a checkpoint counts once `latest` names it
+
+On start: temp folders of dead saves are removed, and so are checkpoints newer than `latest` (a kill came between
+their rename and the pointer's update). On resume: metrics lines past the checkpoint, and a torn last line, are
+dropped. Resume state is loaded with weights_only=True: a crafted file cannot run code.
+Ctrl-C and SIGTERM (`GracefulStop`): before the update of an iteration, stop at once and save the state as of the
+iteration's start; during the update and the rest of the iteration, finish it first. A second signal stops at once.
+"""
+import dataclasses
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+CKPT = re.compile(r"ckpt-\d{6}")
+
+
+def committed_checkpoint(out_dir: Path) -> Path | None:
+    """The checkpoint `latest` names, or None when there is none. `latest` must name a ckpt-NNNNNN folder inside
+    out_dir; anything else (a path, a link out of it) is refused."""
+    pointer = out_dir / "latest"
+    if not pointer.exists():
+        return None
+    name = pointer.read_text().strip()
+    if not CKPT.fullmatch(name) or not (out_dir / name / "trainer_state.pt").is_file() or (out_dir / name).is_symlink():
+        raise SystemExit(f"error: {pointer}: must name a complete ckpt-NNNNNN folder inside {out_dir} (got {name!r})")
+    return out_dir / name
+
+
+def remove(path: Path):
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def prepare_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> Path | None:
+    """Clean what dead processes left in out_dir, refuse to write over a run unless told, and return the checkpoint
+    to resume from (None for a fresh run)."""
+    for leftover in [*out_dir.glob(".tmp-ckpt-*"), out_dir / "latest.tmp", out_dir / "metrics.tmp"]:
+        remove(leftover)
+    has_run = (out_dir / "metrics.jsonl").exists() or (out_dir / "latest").exists()
+    if overwrite:
+        for old in [*out_dir.glob("ckpt-*"), out_dir / "latest", out_dir / "metrics.jsonl"]:
+            remove(old)
+        return None
+    if not resume:
+        if has_run:
+            raise SystemExit(f"error: --out-dir {out_dir} already holds a run; continue it with --resume, or start "
+                             "afresh with a new --out-dir or with --overwrite")
+        return None
+    source = committed_checkpoint(out_dir)
+    if source is None:
+        raise SystemExit(f"error: --resume: no checkpoint in {out_dir} (expected {out_dir / 'latest'} naming a "
+                         "ckpt-* folder; a run stopped before its first save starts afresh with --overwrite)")
+    for orphan in out_dir.glob("ckpt-*"):  # renamed into place, but a kill came before `latest` named it
+        if orphan.name > source.name:
+            remove(orphan)
+    return source
+
+
+def load_trainer_state(source: Path) -> dict:
+    """trainer_state.pt of a checkpoint, without running code (weights_only)."""
+    path = source / "trainer_state.pt"
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"error: {path}: not a trainer state this program wrote; refusing to load it "
+                         f"({first[:160]})") from None
+
+
+def restore(state: dict, source: Path, *, optimizer, scheduler, value_head, rng, lrs: list[float]) -> tuple[int, float]:
+    """Load a checkpoint's optimizer, scheduler, RNG and value-head states. The learning rates in force are this run's
+    `lrs` (one per parameter group; a changed --lr applies), at the schedule's saved step. Returns (iteration,
+    train_seconds)."""
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scheduler.base_lrs = list(lrs[:len(optimizer.param_groups)])
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = base, base * factor(scheduler.last_epoch)
+    rng.setstate(state["python_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    if value_head is not None:
+        value_head.load_state_dict(torch.load(source / "value_head.pt", weights_only=True))
+    return state["iteration"], state["train_seconds"]
+
+
+def repair_metrics(path: Path, *, upto: int):
+    """Keep the metrics lines of iterations 0..upto, once each, in order; drop torn lines and lines past the
+    checkpoint (their iterations will run again). Rewritten atomically."""
+    kept = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill
+            if isinstance(record, dict) and isinstance(record.get("iteration"), int) and record["iteration"] <= upto:
+                kept[record["iteration"]] = line  # a repeated iteration keeps its last line
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(kept[i] + "\n" for i in sorted(kept)))
+    os.replace(tmp, path)
+
+
+def append_metrics(log, record: dict):
+    """One metrics line, on disk (fsynced) before anything else of its iteration is."""
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+    os.fsync(log.fileno())
+
+
+def save_checkpoint(out_dir: Path, *, iteration: int, policy, value_head, tokenizer, optimizer, scheduler,
+                    python_rng, torch_rng, cfg, train_seconds: float):
+    """Write ckpt-<iteration>/ as a temp folder, rename it into place, point `latest` at it, then drop older ones.
+    The previous checkpoint stays committed until the new one is. A full disk stops the run with a one-line error
+    and leaves the previous checkpoint as it was."""
+    final = out_dir / f"ckpt-{iteration:06d}"
+    if committed_checkpoint(out_dir) == final:
+        return  # this state is already saved (a stop before the next iteration's update changed nothing)
+    tmp = out_dir / f".tmp-ckpt-{iteration:06d}-{os.getpid()}"
+    try:
+        policy.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if value_head is not None:
+            torch.save(value_head.state_dict(), tmp / "value_head.pt")
+        pause_point("save", iteration)
+        torch.save({"iteration": iteration, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "python_rng": python_rng, "torch_rng": torch_rng, "config": dataclasses.asdict(cfg),
+                    "train_seconds": train_seconds}, tmp / "trainer_state.pt")
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or "No space" in str(e)
+        why = "no space left on device" if full else f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        raise SystemExit(f"error: {why} while writing {tmp}; the last checkpoint ({out_dir / 'latest'}) is intact")
+    os.replace(tmp, final)
+    (out_dir / "latest.tmp").write_text(final.name)
+    os.replace(out_dir / "latest.tmp", out_dir / "latest")
+    for old in out_dir.glob("ckpt-*"):
+        if old != final:
+            remove(old)
+    print(f"saved {final}", flush=True)
+
+
+def pause_point(name: str, iteration: int):
+    """Test hook for the crash tests: with VINEPPO_PAUSE_AT=name:iteration, print and wait here until killed or
+    signalled (a signal is then handled as anywhere else)."""
+    if os.environ.get("VINEPPO_PAUSE_AT") == f"{name}:{iteration}":
+        print(f"paused at {name}:{iteration}", flush=True)
+        while GracefulStop.last_signal is None:
+            time.sleep(0.05)
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM. Outside hold() ... release(), a signal raises KeyboardInterrupt at once; inside, it is noted
+    (`requested`) and the held section (an iteration's update and what follows it) runs to its end. A second signal
+    raises at once; `holding` then stays True: the weights are half-updated and must not be saved."""
+
+    last_signal = None  # of any instance: what pause_point waits for
+
+    def __init__(self):
+        self.requested, self.holding = None, False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        first = self.requested is None
+        self.requested = GracefulStop.last_signal = signum
+        if self.holding and first:
+            print(f"\n{signal.Signals(signum).name}: finishing this iteration's update, then saving (send it again to "
+                  "stop at once, losing the iteration)", flush=True)
+            return
+        raise KeyboardInterrupt
+
+    def hold(self):
+        self.holding = True
+
+    def release(self):
+        self.holding = False
+
+    def exit_code(self) -> int:
+        return 128 + (self.requested or signal.SIGINT)

@@ -1,0 +1,159 @@
+"""The run's configuration: one dataclass of flags (each with its help text), parsed from the command line, with the
+derived values computed and every value checked right after parsing; and what may change when a run is resumed.
+"""
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model import DEFAULT_MODEL, pick_device
+
+
+def arg(default, help, **kwargs):
+    return field(default=default, metadata=dict(help=help, **kwargs))
+
+
+@dataclass
+class Config:
+    dataset: str = arg("gsm8k", "task (arith: generated arithmetic word problems, learnable on a CPU)",
+                       choices=["gsm8k", "math", "arith"])
+    estimator: str = arg("vine", "advantage estimator: vine (VinePPO), critic (PPO value head, GAE), grpo, rloo",
+                         choices=["vine", "critic", "grpo", "rloo"])
+    data_dir: str | None = arg(None, "folder with <dataset>/{train,test}.jsonl (else $VINEPPO_DATA_DIR, else the Hub)")
+    model: str = arg(DEFAULT_MODEL, "Hub id, local HF folder or .gguf file")
+    prompt_format: str = arg("chat", "chat: the model's chat template; sft: the paper's '[MATH_TASK] Problem:' format",
+                             choices=["chat", "sft"])
+    out_dir: str | None = arg(None, "where metrics.jsonl and checkpoints go (default runs/<dataset>-k<K>-s<seed>)")
+    seed: int = arg(0, "random seed (prompt order, sampling, minibatches)")
+    iterations: int | None = arg(None, "PPO iterations (paper: 650 gsm8k, 1000 math; arith: 200)")
+    time_budget: float = arg(0.0, "stop once this many seconds of training (evaluation excluded) have passed; 0: none")
+    arith_ops: int = arg(1, "arith: operations per problem (1: the base model starts near 17%% pass@1; 2: near 2%%)")
+    arith_max: int = arg(20, "arith: largest starting number / addend")
+    prompts_per_iter: int | None = arg(None, "problems per iteration (paper: 64; CPU default: 4)")
+    samples_per_prompt: int | None = arg(None, "responses per problem (paper: 8; CPU default: 4)")
+    max_new_tokens: int | None = arg(None, "response length limit (paper: 1024; CPU default: 192)")
+    k: int = arg(9, "K: vines (MC continuations) per state (paper: 9)")
+    temperature: float = arg(0.6, "sampling temperature for rollouts and vines")
+    top_p: float = arg(0.9, "nucleus sampling threshold")
+    gamma: float = arg(1.0, "discount")
+    lam: float | None = arg(None, "GAE lambda (default: 0 for vine, 1 for critic as in the paper's PPO)")
+    clip: float = arg(0.2, "PPO clip range")
+    kl_coef: float = arg(1e-4, "coefficient of the k3 KL penalty to the reference, in the loss")
+    lr: float = arg(1e-6, "AdamW learning rate (linear warmup, then linear decay to 0)")
+    lr_decay: bool = arg(True, "decay the lr linearly to 0 at --iterations (off: constant after warmup)")
+    warmup_ratio: float = arg(0.03, "fraction of optimizer steps spent warming up")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    epochs: int = arg(2, "PPO epochs per iteration")
+    minibatch_size: int | None = arg(None, "episodes per optimizer step (paper: 64; CPU default: 8)")
+    micro_batch_size: int | None = arg(None, "episodes per forward/backward (gradient accumulation; CPU default: 4)")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    vf_coef: float = arg(0.1, "critic: weight of the value loss")
+    value_clip: float = arg(0.2, "critic: value clipping range")
+    value_lr: float | None = arg(None, "critic: learning rate of the value head (default: --lr)")
+    whiten: bool = arg(True, "normalise advantages over the batch")
+    max_value_steps: int | None = arg(None, "estimate at most this many states per response (default: 25 gsm8k, "
+                                            "no cap math; 0 = no cap)")
+    step_split: str = arg("auto", "auto: the dataset's text rule; tokens:N: a step every N tokens")
+    eval_every: int = arg(10, "evaluate every this many iterations (and before the first, and after the last)")
+    eval_size: int | None = arg(None, "test problems per evaluation (default: all on GPU; CPU default: 32)")
+    eval_samples: int | None = arg(None, "samples per test problem, pass@1 = mean correctness (paper: 16; CPU: 4)")
+    eval_temperature: float = arg(0.35, "sampling temperature for evaluation")
+    save_every: int = arg(10, "write a checkpoint every this many iterations (and at the end, and on Ctrl-C)")
+    resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
+    overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run, deleting its checkpoints and metrics")
+    sampler: str = arg("auto", "auto: vLLM if it imports and starts, else our decode loop (hf); generate: "
+                               "transformers' generate", choices=["auto", "hf", "generate", "vllm"])
+    gen_batch_size: int = arg(256, "rows per generation batch (transformers samplers)")
+    device: str = arg("auto", "auto, cpu or cuda")
+    dtype: str = arg("auto", "compute dtype of training (autocast), the sampler and the reference; master weights and "
+                             "AdamW stay fp32. auto: bf16 on CUDA and on CPUs with native bf16 (avx512_bf16 / AMX), "
+                             "else fp32", choices=["auto", "float32", "bfloat16"])
+    tis_cap: float = arg(0.0, "truncated importance sampling: weight each token's PPO loss by min(pi_old / "
+                              "pi_sampler, C); 0: off")
+    trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
+
+
+def parse_config(argv=None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(Config):
+        name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        if f.type is bool:
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, **meta)
+        else:  # `int | None` parses as int
+            kind = next(t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None))
+            parser.add_argument(name, type=kind, default=f.default, **meta)
+    cfg = Config(**vars(parser.parse_args(argv)))
+    # Derived values: paper sizes on a GPU, CPU sizes otherwise.
+    gpu = pick_device(cfg.device).type == "cuda"
+    for name, paper, cpu in (("prompts_per_iter", 64, 4), ("samples_per_prompt", 8, 4), ("max_new_tokens", 1024, 192),
+                             ("minibatch_size", 64, 8), ("micro_batch_size", 8, 4), ("eval_samples", 16, 4)):
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, paper if gpu else cpu)
+    if cfg.iterations is None:
+        cfg.iterations = {"gsm8k": 650, "math": 1000, "arith": 200}[cfg.dataset]
+    if cfg.lam is None:
+        cfg.lam = 1.0 if cfg.estimator == "critic" else 0.0
+    cfg.value_lr = cfg.lr if cfg.value_lr is None else cfg.value_lr
+    if cfg.eval_size is None:
+        cfg.eval_size = 10**9 if gpu else 32
+    if cfg.max_value_steps is None:
+        cfg.max_value_steps = 0 if cfg.dataset == "math" else 25
+    cfg.out_dir = cfg.out_dir or f"runs/{cfg.dataset}-{cfg.estimator}-k{cfg.k}-s{cfg.seed}"
+    for name in ("iterations", "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "k", "epochs", "arith_ops",
+                 "arith_max", "minibatch_size", "micro_batch_size", "eval_every", "eval_size", "eval_samples",
+                 "save_every", "gen_batch_size"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    if cfg.minibatch_size % cfg.micro_batch_size:
+        parser.error(f"--minibatch-size ({cfg.minibatch_size}) must be a multiple of --micro-batch-size "
+                     f"({cfg.micro_batch_size})")
+    if cfg.tis_cap != 0 and cfg.tis_cap < 1:
+        parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
+    if not cfg.temperature > 0:
+        parser.error(f"--temperature must be above 0: rollouts and vines are sampled (got {cfg.temperature})")
+    if not cfg.eval_temperature >= 0:
+        parser.error(f"--eval-temperature must be 0 (greedy) or above (got {cfg.eval_temperature})")
+    if not 0 < cfg.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    if cfg.resume and cfg.overwrite:
+        parser.error("--resume and --overwrite contradict each other")
+    problem = unwritable(Path(cfg.out_dir))
+    if problem:
+        parser.error(f"--out-dir {cfg.out_dir}: {problem}")
+    if not (cfg.step_split == "auto" or cfg.step_split.startswith("tokens:") and cfg.step_split[7:].isdigit()
+            and int(cfg.step_split[7:]) > 0):
+        parser.error(f"--step-split must be auto or tokens:N with N >= 1 (got {cfg.step_split!r})")
+    return cfg
+
+
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` cannot be (or become) a writable folder, or None."""
+    if path.exists() and not path.is_dir():
+        return "exists and is not a folder"
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+# Flags that define a run: a resumed run must have the same. Every other flag may change on --resume (iterations,
+# cadences, time budget, learning rates, ...) and is then applied for real and logged.
+RUN_DEFINING = ("dataset", "estimator", "model", "prompt_format", "seed", "arith_ops", "arith_max", "k",
+                "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
+                "max_value_steps", "step_split", "eval_size", "eval_samples")
+NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite")
+
+
+def config_changes(saved: dict, cfg: Config) -> tuple[list[str], list[str]]:
+    """(run-defining differences, other differences) between a checkpoint's config and this one, as "--flag a -> b"."""
+    defining, other = [], []
+    for f in dataclasses.fields(Config):
+        old, new = saved.get(f.name, f.default), getattr(cfg, f.name)
+        if f.name not in NOT_COMPARED and old != new:
+            (defining if f.name in RUN_DEFINING else other).append(f"--{f.name.replace('_', '-')} {old} -> {new}")
+    return defining, other

@@ -1,0 +1,93 @@
+"""Crash tests: tiny arith runs with the real SmolLM2, killed with SIGKILL at named points (a test hook,
+VINEPPO_PAUSE_AT=point:iteration, makes the run wait there), then resumed; and SIGTERM during an update."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import torch
+
+from conftest import REPO
+
+TINY = ["--dataset", "arith", "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--max-new-tokens", "16",
+        "--k", "2", "--eval-size", "2", "--eval-samples", "1", "--eval-every", "100", "--save-every", "1",
+        "--sampler", "hf", "--iterations", "4"]
+
+
+def start(out, *args, pause=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    env.pop("VINEPPO_PAUSE_AT", None)
+    if pause:
+        env["VINEPPO_PAUSE_AT"] = pause
+    return subprocess.Popen([sys.executable, "train.py", *TINY, "--out-dir", str(out), *args], cwd=REPO, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def wait_for(proc, text: str) -> str:
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    proc.wait()
+    raise AssertionError(f"the run ended (rc {proc.returncode}) before printing {text!r}:\n{''.join(seen)}")
+
+
+def iterations(out) -> list[int]:
+    return [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def committed(out) -> str:
+    return (out / "latest").read_text()
+
+
+def test_kill_at_every_point_then_resume(tmp_path, smol_path):
+    """SIGKILL mid-rollout, after the update, between the metrics line and the checkpoint, and mid-save; after each,
+    --resume continues from the last committed checkpoint, losing only the iteration in progress."""
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "run"
+    for n, point in enumerate(["rollout:2", "ppo:2", "metrics:2", "save:2"]):
+        proc = start(out, *(["--resume"] if n else []), pause=point)
+        wait_for(proc, f"paused at {point}")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert committed(out) == "ckpt-000001", point  # iteration 2 was in progress: not committed
+        assert iterations(out)[:2] == [0, 1] and iterations(out) in ([0, 1], [0, 1, 2]), point
+        if point == "save:2":
+            assert list(out.glob(".tmp-ckpt-*")), "the dead save should have left its temp folder"
+    proc = start(out, "--resume")
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0 and "resumed from" in log, log
+    assert iterations(out) == [0, 1, 2, 3, 4]  # each iteration exactly once
+    assert committed(out) == "ckpt-000004" and not list(out.glob(".tmp-ckpt-*"))
+    model = AutoModelForCausalLM.from_pretrained(out / "ckpt-000004")
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_sigterm_during_an_update_finishes_the_iteration_and_saves(tmp_path, smol_path):
+    out = tmp_path / "run"
+    proc = start(out, pause="ppo:2")
+    wait_for(proc, "paused at ppo:2")
+    proc.send_signal(signal.SIGTERM)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, log
+    assert "finishing this iteration's update" in log
+    assert iterations(out) == [0, 1, 2] and committed(out) == "ckpt-000002"
+    proc = start(out, "--resume", "--iterations", "3")  # a changed --iterations is applied
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and "applying changed flags: --iterations 4 -> 3" in log, log
+    assert iterations(out) == [0, 1, 2, 3] and committed(out) == "ckpt-000003"
+
+
+def test_resume_with_a_run_defining_flag_changed_stops_at_once(tmp_path, smol_path):
+    out = tmp_path / "run"
+    proc = start(out, "--iterations", "1")
+    assert proc.communicate(timeout=300)[0] and proc.returncode == 0
+    proc = start(out, "--iterations", "2")  # no --resume: refused, nothing touched
+    log = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0 and "already holds a run" in log and iterations(out) == [0, 1]
+    proc = start(out, "--iterations", "2", "--resume", "--k", "3", "--estimator", "grpo")
+    log = proc.communicate(timeout=60)[0]
+    assert proc.returncode != 0 and log.strip().splitlines()[-1].startswith("error: --resume: flags that define")
+    assert "--k 2 -> 3" in log and "--estimator vine -> grpo" in log
