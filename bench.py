@@ -31,7 +31,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from data import encode_prompt, load_split
 from model import DEFAULT_MODEL, load_model, load_tokenizer
-from rollout import HFSampler
+from hf_sampler import HFSampler
 
 
 def best_time(fn, repeats: int = 3) -> float:

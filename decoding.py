@@ -1,12 +1,13 @@
 """Fast decoding on a CPU, as pure functions: the decoder with a preallocated KV cache, attention that reads a shared
-prefix once for all the rows continuing it, and seeded top-p sampling. rollout.HFSampler drives them, in fp32 or bf16:
-weights and KV caches in the sampler's dtype, softmax statistics, the prefix/suffix merge and sampling in fp32.
+prefix once for all the rows continuing it, and seeded top-p sampling. hf_sampler.HFSampler drives them, in fp32 or
+bf16: weights and the prefill cache in the sampler's dtype; the softmax, the generated tokens' cache and sampling in
+fp32.
 
 - decoder_forward runs the model's own modules (Llama family: pre-norm, RoPE, grouped-query attention), with the
   attention step delegated: prefill_attention while prefilling sequences, decode_attention while generating.
 - decode_attention splits each row's context in two: its prefix, a *view* of the sequence's prefill cache shared by
   every row that continues it (the K vines of a state, the states of one response), and the few tokens the row
-  generated itself. Softmax over both = the two partial softmaxes merged by their log-sum-exps.
+  generated itself; it scores both, then takes one softmax over the joined scores.
 - sample_tokens draws top-p samples with the Gumbel-max trick. Its noise is a hash of (seed, row, step, token), so a
   row samples the same tokens whatever else shares its batch (finished rows leave, batches regroup).
 

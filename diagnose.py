@@ -23,7 +23,7 @@ import torch
 
 from data import encode_prompt, load_split
 from model import load_model, load_tokenizer, new_value_head
-from rollout import HFSampler
+from hf_sampler import HFSampler
 from values import mc_rollouts, split_steps, step_token_starts
 
 

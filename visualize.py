@@ -17,7 +17,7 @@ from advantages import gae, group_baseline_advantages, step_rewards
 from data import encode_prompt, load_split
 from grader import grade
 from model import load_model, load_tokenizer
-from rollout import HFSampler
+from hf_sampler import HFSampler
 from values import estimate_values, step_token_starts
 
 

@@ -10,7 +10,8 @@ import model as model_mod
 from decoding import decode_attention, prefix_layout
 from ppo import (batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_loss, ppo_update, sampler_mismatch,
                  tis_weights)
-from rollout import GenerateSampler, HFSampler
+from hf_sampler import HFSampler
+from rollout import GenerateSampler
 
 
 def test_pick_dtype_reads_the_cpu_features(monkeypatch):

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from decoding import gumbel, sample_tokens
-from rollout import GenerateSampler, HFSampler, Sample, cut_at_stop
+from hf_sampler import HFSampler
+from rollout import GenerateSampler, Sample, cut_at_stop
 
 
 def reference_greedy(model, prompt, steps, stop_ids):

@@ -8,7 +8,8 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in: see README, 'Testing the vLLM backend')")
 
-from rollout import HFSampler, VLLMSampler  # noqa: E402
+from hf_sampler import HFSampler  # noqa: E402
+from rollout import VLLMSampler  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
