@@ -13,6 +13,8 @@ Shapes: T = steps of one response, L = tokens of one response, N = all response 
 """
 import torch
 
+import dist
+
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, *, gamma: float, lam: float) -> torch.Tensor:
     """Generalized advantage estimates (T,) from rewards (T,) and values (T + 1,)."""
@@ -75,7 +77,9 @@ def group_baseline_advantages(*, rewards: list[float], groups: list[int], length
 
 
 def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Normalise all response tokens of the batch together to mean 0, std 1."""
-    flat = torch.cat(advantages)  # (N,)
-    mean, std = flat.mean(), flat.std() if flat.numel() > 1 else torch.tensor(1.0)
-    return [(a - mean) / (std + 1e-8) for a in advantages]
+    """Normalise all response tokens of the batch together to mean 0, std 1 (under torchrun: of the global batch)."""
+    flat = torch.cat(advantages).double()  # (N,)
+    n, total, squares = dist.all_sum(torch.stack([torch.tensor(float(flat.numel())), flat.sum(), (flat ** 2).sum()]))
+    mean = total / n
+    std = ((squares - n * mean ** 2).clamp(min=0) / (n - 1)).sqrt() if n > 1 else torch.tensor(1.0)
+    return [((a - mean) / (std + 1e-8)).float() for a in advantages]

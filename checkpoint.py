@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+import dist
+
 CKPT = re.compile(r"ckpt-\d{6}")
 
 
@@ -81,20 +83,25 @@ def load_trainer_state(source: Path) -> dict:
                          f"({first[:160]})") from None
 
 
-def restore(state: dict, source: Path, *, optimizer, scheduler, value_head, rng, lrs: list[float]) -> tuple[int, float]:
-    """Load a checkpoint's optimizer, scheduler, RNG and value-head states. The learning rates in force are this run's
-    `lrs` (one per parameter group; a changed --lr applies), at the schedule's saved step. Returns (iteration,
-    train_seconds)."""
-    optimizer.load_state_dict(state["optimizer"])
+def restore(state: dict, *, scorer, optimizer, scheduler, rng, lrs: list[float]) -> tuple[int, float]:
+    """Load a checkpoint's optimizer, scheduler and RNG states (each rank its own torch RNG when the world size is the
+    saved one). The learning rates in force are this run's `lrs` (one per parameter group; a changed --lr applies),
+    at the schedule's saved step. Returns (iteration, train_seconds)."""
+    dist.load_optimizer_state(scorer, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     scheduler.base_lrs = list(lrs[:len(optimizer.param_groups)])
     for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = base, base * factor(scheduler.last_epoch)
     rng.setstate(state["python_rng"])
-    torch.set_rng_state(state["torch_rng"])
-    if value_head is not None:
-        value_head.load_state_dict(torch.load(source / "value_head.pt", weights_only=True))
+    rngs = state["torch_rng"] if isinstance(state["torch_rng"], list) else [state["torch_rng"]]
+    torch.set_rng_state(rngs[dist.rank()] if len(rngs) == dist.world() else rngs[0])
     return state["iteration"], state["train_seconds"]
+
+
+def load_value_head(source: Path | None, value_head):
+    """The critic's value head from a checkpoint (before dist.wrap shards it)."""
+    if source is not None and value_head is not None:
+        value_head.load_state_dict(torch.load(source / "value_head.pt", weights_only=True))
 
 
 def repair_metrics(path: Path, *, upto: int):
@@ -121,43 +128,51 @@ def append_metrics(log, record: dict):
     os.fsync(log.fileno())
 
 
-def save_checkpoint(out_dir: Path, *, iteration: int, policy, value_head, tokenizer, optimizer, scheduler,
+def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head, tokenizer, optimizer, scheduler,
                     python_rng, torch_rng, cfg, train_seconds: float):
     """Write ckpt-<iteration>/ as a temp folder, rename it into place, point `latest` at it, then drop older ones.
     The previous checkpoint stays committed until the new one is. A full disk stops the run with a one-line error
-    and leaves the previous checkpoint as it was."""
+    and leaves the previous checkpoint as it was. Under torchrun every rank calls this (sharded weights and every
+    rank's RNG state are gathered) and rank 0 writes."""
     final = out_dir / f"ckpt-{iteration:06d}"
-    if committed_checkpoint(out_dir) == final:
+    if dist.broadcast(committed_checkpoint(out_dir) == final if dist.rank() == 0 else None):
         return  # this state is already saved (a stop before the next iteration's update changed nothing)
-    tmp = out_dir / f".tmp-ckpt-{iteration:06d}-{os.getpid()}"
-    try:
-        policy.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if value_head is not None:
-            torch.save(value_head.state_dict(), tmp / "value_head.pt")
-        pause_point("save", iteration)
-        torch.save({"iteration": iteration, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "python_rng": python_rng, "torch_rng": torch_rng, "config": dataclasses.asdict(cfg),
-                    "train_seconds": train_seconds}, tmp / "trainer_state.pt")
-    except (OSError, RuntimeError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or "No space" in str(e)
-        why = "no space left on device" if full else f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        raise SystemExit(f"error: {why} while writing {tmp}; the last checkpoint ({out_dir / 'latest'}) is intact")
-    os.replace(tmp, final)
-    (out_dir / "latest.tmp").write_text(final.name)
-    os.replace(out_dir / "latest.tmp", out_dir / "latest")
-    for old in out_dir.glob("ckpt-*"):
-        if old != final:
-            remove(old)
-    print(f"saved {final}", flush=True)
+    sharded = dist.is_sharded(policy)
+    policy_state = dist.full_state_dict(policy) if sharded else None  # None: save_pretrained takes its own
+    head_state = dist.full_state_dict(value_head) if value_head is not None else None
+    optimizer_state, torch_rngs = dist.optimizer_state(scorer, optimizer), dist.all_gather(torch_rng)
+    if dist.rank() == 0:
+        tmp = out_dir / f".tmp-ckpt-{iteration:06d}-{os.getpid()}"
+        try:
+            policy.save_pretrained(tmp, state_dict=policy_state)
+            tokenizer.save_pretrained(tmp)
+            if head_state is not None:
+                torch.save(head_state, tmp / "value_head.pt")
+            pause_point("save", iteration)
+            torch.save({"iteration": iteration, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                        "python_rng": python_rng, "torch_rng": torch_rngs, "config": dataclasses.asdict(cfg),
+                        "train_seconds": train_seconds}, tmp / "trainer_state.pt")
+        except (OSError, RuntimeError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or "No space" in str(e)
+            why = "no space left on device" if full else f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            raise SystemExit(f"error: {why} while writing {tmp}; the last checkpoint ({out_dir / 'latest'}) is intact")
+        os.replace(tmp, final)
+        (out_dir / "latest.tmp").write_text(final.name)
+        os.replace(out_dir / "latest.tmp", out_dir / "latest")
+        for old in out_dir.glob("ckpt-*"):
+            if old != final:
+                remove(old)
+        print(f"saved {final}", flush=True)
+    dist.barrier()
 
 
 def pause_point(name: str, iteration: int):
     """Test hook for the crash tests: with VINEPPO_PAUSE_AT=name:iteration, print and wait here until killed or
-    signalled (a signal is then handled as anywhere else)."""
-    if os.environ.get("VINEPPO_PAUSE_AT") == f"{name}:{iteration}":
-        print(f"paused at {name}:{iteration}", flush=True)
+    signalled (a signal is then handled as anywhere else). Not in a worker that torchrun has restarted."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if os.environ.get("VINEPPO_PAUSE_AT") == f"{name}:{iteration}" and not restarted:
+        print(f"paused at {name}:{iteration} (rank {dist.rank()}, pid {os.getpid()})", flush=True)
         while GracefulStop.last_signal is None:
             time.sleep(0.05)
 

@@ -33,7 +33,14 @@ class Config:
     prompts_per_iter: int | None = arg(None, "problems per iteration (paper: 64; CPU default: 4)")
     samples_per_prompt: int | None = arg(None, "responses per problem (paper: 8; CPU default: 4)")
     max_new_tokens: int | None = arg(None, "response length limit (paper: 1024; CPU default: 192)")
-    k: int = arg(9, "K: vines (MC continuations) per state (paper: 9)")
+    k: int = arg(9, "K: vines (MC continuations) per state (paper: 9); with --k-mode budget, the mean per state")
+    k_mode: str = arg("fixed", "vines per state: fixed (K each), adaptive (rounds of --k-round until the Wilson interval "
+                               "is narrower than --k-ci, at most --k-max), budget (K x states in all, rounds to the "
+                               "most uncertain states), official (the official repo's expander: 10, +4 up to 30)",
+                      choices=["fixed", "adaptive", "budget", "official"])
+    k_round: int = arg(3, "vines per state per round (adaptive, budget)")
+    k_max: int = arg(27, "most vines per state (adaptive)")
+    k_ci: float = arg(0.5, "adaptive: stop a state once its 95%% Wilson interval is narrower than this")
     temperature: float = arg(0.6, "sampling temperature for rollouts and vines")
     top_p: float = arg(0.9, "nucleus sampling threshold")
     gamma: float = arg(1.0, "discount")
@@ -72,6 +79,8 @@ class Config:
     tis_cap: float = arg(0.0, "truncated importance sampling: weight each token's PPO loss by min(pi_old / "
                               "pi_sampler, C); 0: off")
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
+    fsdp: bool = arg(False, "under torchrun: shard weights, gradients and AdamW's state over ranks with FSDP2 "
+                            "(default: DDP, every rank holds them all)")
 
 
 def parse_config(argv=None) -> Config:
@@ -101,13 +110,16 @@ def parse_config(argv=None) -> Config:
         cfg.max_value_steps = 0 if cfg.dataset == "math" else 25
     cfg.out_dir = cfg.out_dir or f"runs/{cfg.dataset}-{cfg.estimator}-k{cfg.k}-s{cfg.seed}"
     for name in ("iterations", "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "k", "epochs", "arith_ops",
-                 "arith_max", "minibatch_size", "micro_batch_size", "eval_every", "eval_size", "eval_samples",
-                 "save_every", "gen_batch_size"):
+                 "arith_max", "k_round", "k_max", "minibatch_size", "micro_batch_size", "eval_every", "eval_size",
+                 "eval_samples", "save_every", "gen_batch_size"):
         if getattr(cfg, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
-    if cfg.minibatch_size % cfg.micro_batch_size:
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # ranks under torchrun; the batch flags are global
+    if cfg.prompts_per_iter % world:
+        parser.error(f"--prompts-per-iter ({cfg.prompts_per_iter}) must be a multiple of the number of ranks ({world})")
+    if cfg.minibatch_size % (world * cfg.micro_batch_size):
         parser.error(f"--minibatch-size ({cfg.minibatch_size}) must be a multiple of --micro-batch-size "
-                     f"({cfg.micro_batch_size})")
+                     f"({cfg.micro_batch_size}) x the number of ranks ({world})")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
     if not cfg.temperature > 0:
@@ -118,6 +130,9 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--top-p must be in (0, 1] (got {cfg.top_p})")
     if cfg.resume and cfg.overwrite:
         parser.error("--resume and --overwrite contradict each other")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun --max-restarts: go on
+        has_checkpoint = (Path(cfg.out_dir) / "latest").exists()
+        cfg.resume, cfg.overwrite = has_checkpoint, not has_checkpoint
     problem = unwritable(Path(cfg.out_dir))
     if problem:
         parser.error(f"--out-dir {cfg.out_dir}: {problem}")
@@ -145,7 +160,8 @@ def unwritable(path: Path) -> str | None:
 # cadences, time budget, learning rates, ...) and is then applied for real and logged.
 RUN_DEFINING = ("dataset", "estimator", "model", "prompt_format", "seed", "arith_ops", "arith_max", "k",
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
-                "max_value_steps", "step_split", "eval_size", "eval_samples")
+                "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
+                "k_max", "k_ci")
 NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite")
 
 

@@ -197,3 +197,17 @@ def response_logprobs(model, *, input_ids, attention_mask, response_start: int, 
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, R)
     return logprobs, entropy, values
+
+
+class Scorer(torch.nn.Module):
+    """The trained modules (policy, and the critic's value head if any) behind one forward = response_logprobs, so that
+    DistributedDataParallel can wrap them and all-reduce their gradients during backward (see dist.wrap)."""
+
+    def __init__(self, policy, value_head=None, *, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.policy, self.value_head, self.dtype = policy, value_head, dtype
+
+    def forward(self, input_ids, attention_mask, *, response_start: int, temperature: float, with_entropy: bool = False):
+        return response_logprobs(self.policy, input_ids=input_ids, attention_mask=attention_mask,
+                                 response_start=response_start, temperature=temperature, with_entropy=with_entropy,
+                                 value_head=self.value_head, dtype=self.dtype)

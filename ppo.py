@@ -20,7 +20,7 @@ import math
 import torch
 from tqdm import tqdm
 
-from model import response_logprobs
+import dist
 
 
 def ppo_loss(*, logprobs, old_logprobs, ref_logprobs, advantages, mask, clip: float, kl_coef: float,
@@ -117,68 +117,74 @@ def micro_batches(n: int, *, size: int, generator: torch.Generator | None = None
 
 
 @torch.no_grad()
-def batch_logprobs(model, batch: dict, P: int, *, groups: list[torch.Tensor], temperature: float, value_head=None,
-                   dtype: torch.dtype = torch.float32):
-    """Log-probs (B, R) of every response token under `model` (no grad), micro-batch by micro-batch (`groups`, from
-    micro_batches), computing in `dtype`, and the value head's predictions (B, R) when one is given (else None)."""
-    device = next(model.parameters()).device
-    logprobs = torch.zeros(batch["response_mask"].shape)
-    values = torch.zeros(batch["response_mask"].shape) if value_head is not None else None
+def batch_logprobs(scorer, batch: dict, P: int, *, groups: list[torch.Tensor], temperature: float):
+    """Log-probs (B, R) of every response token under `scorer` (a model.Scorer, possibly wrapped by dist.wrap; no
+    grad), micro-batch by micro-batch (`groups`, from micro_batches), and its value head's predictions (B, R) when it
+    has one (else None)."""
+    device = next(scorer.parameters()).device
+    logprobs, values = torch.zeros(batch["response_mask"].shape), None
     for idx in groups:
         mb, p = trim(batch, idx, P)
-        logp, _, v = response_logprobs(model, input_ids=mb["input_ids"].to(device),
-                                       attention_mask=mb["attention_mask"].to(device), response_start=p,
-                                       temperature=temperature, value_head=value_head, dtype=dtype)
+        logp, _, v = scorer(mb["input_ids"].to(device), mb["attention_mask"].to(device), response_start=p,
+                            temperature=temperature)
         logprobs[idx, :logp.shape[1]] = logp.float().cpu()
-        if values is not None:
+        if v is not None:
+            values = torch.zeros(batch["response_mask"].shape) if values is None else values
             values[idx, :v.shape[1]] = v.float().cpu()
     return logprobs, values
 
 
-def ppo_update(policy, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor], epochs: int,
+def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor], epochs: int,
                minibatch_size: int, clip: float, kl_coef: float, temperature: float, max_grad_norm: float = 1.0,
-               max_ratio: float = 10.0, value_head=None, vf_coef: float = 0.1, value_clip: float = 0.2,
-               generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> dict:
-    """Epochs x minibatches of clipped PPO steps, with gradient accumulation over micro-batches; forward and backward
-    compute in `dtype` (autocast) while the weights and AdamW's state stay in the policy's own (fp32) dtype.
+               max_ratio: float = 10.0, vf_coef: float = 0.1, value_clip: float = 0.2,
+               generator: torch.Generator | None = None) -> dict:
+    """Epochs x minibatches of clipped PPO steps, with gradient accumulation over micro-batches. `scorer` is a
+    model.Scorer (the policy, the value head if any, the compute dtype), or that Scorer wrapped for data parallelism
+    (dist.wrap): forward and backward compute in its dtype (autocast) while the weights and AdamW's state stay fp32.
     A minibatch is minibatch_size / (micro-batch size) consecutive `groups` (micro_batches); each epoch takes the
     minibatches in a new random order (their members stay: see micro_batches).
+    Under torchrun each rank passes its own episodes and minibatch_size / world: the loss is normalised by the
+    minibatch's token count over all ranks, and the gradients summed over ranks (DDP averages, so the loss is scaled
+    by the world size); N ranks x B / N episodes take the step 1 rank x B episodes would. Stats are global too.
 
     batch: input_ids, attention_mask (B, T); response_mask, old_logprobs, ref_logprobs, advantages (B, R); with a
     value head also old_values and returns (B, R); optionally tis_weights (B, R). Returns mean stats over the
     optimizer steps taken, and `skipped`.
     """
-    device = next(policy.parameters()).device
-    policy.train()
+    device = next(scorer.parameters()).device
+    scorer.train()
     per = max(1, minibatch_size // len(groups[0]))
     minibatches = [groups[i:i + per] for i in range(0, len(groups), per)]
     totals, steps, skipped = {}, 0, 0
-    bar = tqdm(total=epochs * len(minibatches), desc="ppo", leave=False)
+    bar = tqdm(total=epochs * len(minibatches), desc="ppo", leave=False, disable=dist.rank() > 0)
     for _ in range(epochs):
         for m in torch.randperm(len(minibatches), generator=generator).tolist():
             bar.update()
-            n_tokens = sum(batch["response_mask"][idx].sum() for idx in minibatches[m]).clamp(min=1)
+            local_tokens = sum(batch["response_mask"][idx].sum() for idx in minibatches[m])
+            n_tokens = dist.all_sum(torch.tensor([float(local_tokens)]))[0].clamp(min=1).item()  # over all ranks
             acc = {}
-            for idx in minibatches[m]:
+            for j, idx in enumerate(minibatches[m]):
                 mb, p = trim(batch, idx, P)
                 mb = {k: v.to(device) for k, v in mb.items()}
-                logp, entropy, values = response_logprobs(
-                    policy, input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], response_start=p,
-                    temperature=temperature, with_entropy=True, value_head=value_head, dtype=dtype)
-                loss, stats = ppo_loss(logprobs=logp, old_logprobs=mb["old_logprobs"], ref_logprobs=mb["ref_logprobs"],
-                                       advantages=mb["advantages"], mask=mb["response_mask"], clip=clip, kl_coef=kl_coef,
-                                       tis_weights=mb.get("tis_weights"))
-                if value_head is not None:
-                    v_loss, v_stats = value_loss(values=values, old_values=mb["old_values"], returns=mb["returns"],
-                                                 mask=mb["response_mask"], value_clip=value_clip)
-                    loss = loss + vf_coef * v_loss
-                    stats.update(v_stats)
-                weight = (mb["response_mask"].sum() / n_tokens).item()  # token-mean over the whole minibatch
-                (loss * weight).backward()
+                with dist.sync_gradients(scorer, j == len(minibatches[m]) - 1):  # all-reduce on the last backward
+                    logp, entropy, values = scorer(mb["input_ids"], mb["attention_mask"], response_start=p,
+                                                   temperature=temperature, with_entropy=True)
+                    loss, stats = ppo_loss(logprobs=logp, old_logprobs=mb["old_logprobs"],
+                                           ref_logprobs=mb["ref_logprobs"], advantages=mb["advantages"],
+                                           mask=mb["response_mask"], clip=clip, kl_coef=kl_coef,
+                                           tis_weights=mb.get("tis_weights"))
+                    if values is not None:
+                        v_loss, v_stats = value_loss(values=values, old_values=mb["old_values"], returns=mb["returns"],
+                                                     mask=mb["response_mask"], value_clip=value_clip)
+                        loss = loss + vf_coef * v_loss
+                        stats.update(v_stats)
+                    weight = mb["response_mask"].sum().item() / n_tokens  # token-mean over the global minibatch
+                    (loss * weight * dist.world()).backward()
                 stats["entropy"] = ((entropy * mb["response_mask"]).sum() / mb["response_mask"].sum().clamp(min=1)).item()
                 stats["loss"] = loss.item()
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0.0) + v * weight
+            acc = dict(zip(acc, dist.all_sum(torch.tensor(list(acc.values()))).tolist()))  # global token means
             if acc["ratio"] > max_ratio or not math.isfinite(acc["loss"]):
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1

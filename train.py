@@ -14,13 +14,14 @@ from pathlib import Path
 
 import torch
 
+import dist
 from advantages import critic_advantages, group_baseline_advantages, vine_advantages, whiten
-from checkpoint import (GracefulStop, append_metrics, load_trainer_state, pause_point, prepare_out_dir, repair_metrics,
-                        restore, save_checkpoint)
+from checkpoint import (GracefulStop, append_metrics, load_trainer_state, load_value_head, pause_point, prepare_out_dir,
+                        repair_metrics, restore, save_checkpoint)
 from config import Config, config_changes, parse_config
 from data import encode_prompt, load_split
 from grader import grade
-from model import load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
+from model import Scorer, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
 from ppo import batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_update, sampler_mismatch, tis_weights
 from rollout import make_sampler
 from values import estimate_values, step_token_starts, token_step_index
@@ -34,29 +35,32 @@ def lr_factor(step: int, *, warmup: int, total: int, decay: bool = True) -> floa
 
 
 def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int) -> float:
-    """pass@1: mean correctness of eval_samples samples per test problem at the eval temperature."""
+    """pass@1: mean correctness of eval_samples samples per test problem at the eval temperature (under torchrun each
+    rank takes every world-th problem, and the mean is over all)."""
+    examples = examples[dist.rank()::dist.world()]
     prompts = [encode_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
                for e in examples]
     samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
-                             max_new_tokens=cfg.max_new_tokens, seed=seed)
-    scores = [grade(s.text, e["answer"], dataset=cfg.dataset, truncated=not s.finished)
-              for e, group in zip(examples, samples) for s in group]
-    return sum(scores) / max(len(scores), 1)
+                             max_new_tokens=cfg.max_new_tokens, seed=seed + dist.rank() * 100_003) if prompts else []
+    return dist.mean([grade(s.text, e["answer"], dataset=cfg.dataset, truncated=not s.finished)
+                      for e, group in zip(examples, samples) for s in group])
 
 
 def main(cfg: Config):
+    device = pick_device(cfg.device)
+    rank, world = dist.init(device)  # (0, 1) without torchrun
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
+    rng = random.Random(cfg.seed)  # the same on every rank: all draw the same prompts, each keeps its share
     out_dir = Path(cfg.out_dir)
-    source = prepare_out_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)  # the checkpoint to resume, if any
+    source = dist.broadcast(prepare_out_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite) if rank == 0
+                            else None)  # the checkpoint to resume, if any; rank 0 alone tidies the folder
     state = load_trainer_state(source) if source else None
     if state:
         defining, changed = config_changes(state["config"], cfg)
         if defining:
             raise SystemExit(f"error: --resume: flags that define the run differ from {source}'s: {'; '.join(defining)}")
         if changed:
-            print(f"resume: applying changed flags: {'; '.join(changed)}", flush=True)
-    device = pick_device(cfg.device)
+            dist.print0(f"resume: applying changed flags: {'; '.join(changed)}")
     dtype = pick_dtype(cfg.dtype, device)  # compute dtype; the policy's master weights are fp32
     splits = {split: load_split(cfg.dataset, split, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
                                 arith_max=cfg.arith_max) for split in ("train", "test")}
@@ -67,6 +71,12 @@ def main(cfg: Config):
     reference = load_model(cfg.model, device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
                            frozen=True)  # fp32 like the policy: in bf16, KL(policy || reference) starts at 0.011
     value_head = new_value_head(policy) if cfg.estimator == "critic" else None
+    load_value_head(source, value_head)
+    stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
+    sampler = make_sampler(cfg.sampler, policy=policy, tokenizer=tokenizer, model_path=resolve_model(cfg.model),
+                           dtype=dtype, stop_strings=stop_strings, seed=cfg.seed, batch_size=cfg.gen_batch_size)
+    scorer = dist.wrap(Scorer(policy, value_head, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun
+    reference_scorer = dist.wrap(Scorer(reference, dtype=dtype), fsdp=cfg.fsdp)  # sharded with FSDP2, else whole
     param_groups = [{"params": policy.parameters(), "lr": cfg.lr}]
     if value_head is not None:
         param_groups.append({"params": value_head.parameters(), "lr": cfg.value_lr})
@@ -78,32 +88,34 @@ def main(cfg: Config):
                            decay=cfg.lr_decay))
     start, train_seconds = 0, 0.0
     if state:
-        start, train_seconds = restore(state, source, optimizer=optimizer, scheduler=scheduler, value_head=value_head,
-                                       rng=rng, lrs=[cfg.lr, cfg.value_lr])
-        repair_metrics(out_dir / "metrics.jsonl", upto=start)
-        print(f"resumed from {source} at iteration {start}", flush=True)
-    stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
-    sampler = make_sampler(cfg.sampler, policy=policy, tokenizer=tokenizer, model_path=resolve_model(cfg.model),
-                           dtype=dtype, stop_strings=stop_strings, seed=cfg.seed, batch_size=cfg.gen_batch_size)
+        start, train_seconds = restore(state, scorer=scorer, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                                       lrs=[cfg.lr, cfg.value_lr])
+        if rank == 0:
+            repair_metrics(out_dir / "metrics.jsonl", upto=start)
+        dist.print0(f"resumed from {source} at iteration {start}")
     sampler.sync(policy)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir / "metrics.jsonl", "a")
-    checkpoint = partial(save_checkpoint, out_dir, policy=policy, value_head=value_head, tokenizer=tokenizer,
-                         optimizer=optimizer, scheduler=scheduler, cfg=cfg)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    log = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None  # rank 0 writes the run's files
+    checkpoint = partial(save_checkpoint, out_dir, scorer=scorer, policy=policy, value_head=value_head,
+                         tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, cfg=cfg)
     stop = GracefulStop()
+    if dist.active():
+        stop.hold()  # under torchrun a signal is acted on at an iteration's end, by all ranks together
     completed, python_rng, torch_rng = start, rng.getstate(), torch.get_rng_state()  # what a stop now would save
     try:
         if start == 0:
             accuracy = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
-            append_metrics(log, {"iteration": 0, "eval_accuracy": accuracy, "train_seconds": 0.0})
-            print(f"iteration 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples}",
-                  flush=True)
+            if rank == 0:
+                append_metrics(log, {"iteration": 0, "eval_accuracy": accuracy, "train_seconds": 0.0})
+            dist.print0(f"iteration 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples}")
         for it in range(start, cfg.iterations):
             seconds, t0 = {}, time.perf_counter()  # (completed, python_rng, torch_rng) = the state before this one
-            seed = cfg.seed * 1_000_003 + it
+            payload = dist.PAYLOAD["bytes"]
+            seed = cfg.seed * 1_000_003 + it + rank * 100_003  # ranks draw different random numbers
 
-            # 1. Sample prompts (with replacement, as in the official implementation)
-            examples = rng.choices(train_set, k=cfg.prompts_per_iter)
+            # 1. Sample prompts (with replacement, as in the official implementation); each rank takes its share
+            examples = rng.choices(train_set, k=cfg.prompts_per_iter)[rank::world]
             prompt_ids = [encode_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer,
                                         prompt_format=cfg.prompt_format) for e in examples]
 
@@ -132,16 +144,16 @@ def main(cfg: Config):
                 values, value_stats = estimate_values(
                     sampler=sampler, prompts=prompts, responses=responses, step_starts=starts, rewards=rewards,
                     answers=answers, dataset=cfg.dataset, K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
-                    max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None, seed=seed + 1)
-                value_stats["steps_per_response"] = sum(map(len, starts)) / len(starts)
+                    max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None, seed=seed + 1,
+                    k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci)
+                value_stats["steps_per_response"] = dist.mean(list(map(len, starts)))
                 flat_values = [v for vs in values for v in vs[:-1]]
             elif cfg.estimator == "critic":
-                old_logprobs, token_values = batch_logprobs(policy, batch, P, groups=micro, temperature=cfg.temperature,
-                                                            dtype=dtype, value_head=value_head)
+                old_logprobs, token_values = batch_logprobs(scorer, batch, P, groups=micro, temperature=cfg.temperature)
                 values = [token_values[i, :len(r)] for i, r in enumerate(responses)]
                 flat_values = torch.cat(values).tolist()
             if cfg.estimator in ("vine", "critic"):
-                value_stats["value_mean"] = sum(flat_values) / len(flat_values)
+                value_stats["value_mean"] = dist.mean(flat_values)
             seconds["values"] = time.perf_counter() - t
 
             # 5. Advantages. vine: GAE over step values, each token gets its step's. critic: GAE over token values.
@@ -157,7 +169,7 @@ def main(cfg: Config):
             else:
                 advantages = group_baseline_advantages(rewards=rewards, groups=group_of,
                                                        lengths=list(map(len, responses)), kind=cfg.estimator)
-            raw = torch.cat(advantages)
+            raw = torch.cat(dist.all_gather(torch.cat(advantages)))  # (N,) all ranks' tokens, for the log
             batch["advantages"] = pad_rows(whiten(advantages) if cfg.whiten else advantages, response_mask.shape[1])
 
             # 6. PPO epochs: log-probs of the sampling policy and the reference, then clipped updates. The sampler
@@ -166,22 +178,21 @@ def main(cfg: Config):
             stop.hold()
             t, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
             if old_logprobs is None:
-                old_logprobs, _ = batch_logprobs(policy, batch, P, groups=micro, temperature=cfg.temperature,
-                                                 dtype=dtype)
+                old_logprobs, _ = batch_logprobs(scorer, batch, P, groups=micro, temperature=cfg.temperature)
             batch["old_logprobs"] = old_logprobs
-            batch["ref_logprobs"], _ = batch_logprobs(reference, batch, P, groups=micro, temperature=cfg.temperature,
-                                                      dtype=dtype)
+            batch["ref_logprobs"], _ = batch_logprobs(reference_scorer, batch, P, groups=micro,
+                                                      temperature=cfg.temperature)
             sampler_logprobs = pad_rows([torch.tensor(s.logprobs) for s in samples], response_mask.shape[1])
-            mismatch = sampler_mismatch(trainer_logprobs=old_logprobs, sampler_logprobs=sampler_logprobs,
-                                        mask=response_mask)
+            mismatch = dist.weighted_mean(sampler_mismatch(trainer_logprobs=old_logprobs,
+                                                           sampler_logprobs=sampler_logprobs, mask=response_mask),
+                                          weight=response_mask.sum().item())  # token means over all ranks
             if cfg.tis_cap > 0:
                 batch["tis_weights"] = tis_weights(old_logprobs=old_logprobs, sampler_logprobs=sampler_logprobs,
                                                    cap=cfg.tis_cap)
-            ppo_stats = ppo_update(policy, optimizer, scheduler, batch, P, groups=micro, epochs=cfg.epochs,
-                                   minibatch_size=cfg.minibatch_size,
+            ppo_stats = ppo_update(scorer, optimizer, scheduler, batch, P, groups=micro, epochs=cfg.epochs,
+                                   minibatch_size=cfg.minibatch_size // world,  # this rank's share of each step
                                    clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
-                                   max_grad_norm=cfg.max_grad_norm, value_head=value_head, vf_coef=cfg.vf_coef,
-                                   value_clip=cfg.value_clip, dtype=dtype)
+                                   max_grad_norm=cfg.max_grad_norm, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
             seconds["ppo"] = time.perf_counter() - t
             pause_point("ppo", it + 1)
 
@@ -193,32 +204,37 @@ def main(cfg: Config):
             # 8. Eval, log, checkpoint: the metrics line is on disk before the checkpoint that covers it
             done = it + 1
             train_seconds += time.perf_counter() - t0
-            out_of_time = cfg.time_budget > 0 and train_seconds >= cfg.time_budget
-            record = {"iteration": done, "train_seconds": train_seconds, "reward_mean": sum(rewards) / len(rewards),
-                      "response_length": sum(map(len, responses)) / len(responses),
-                      "finished_frac": sum(s.finished for s in samples) / len(samples),
+            out_of_time = dist.broadcast(cfg.time_budget > 0 and train_seconds >= cfg.time_budget)  # rank 0's clock
+            record = {"iteration": done, "train_seconds": train_seconds, "reward_mean": dist.mean(rewards),
+                      "response_length": dist.mean(list(map(len, responses))),
+                      "finished_frac": dist.mean([float(s.finished) for s in samples]),
                       "advantage_mean": raw.mean().item(), "advantage_std": raw.std().item() if len(raw) > 1 else 0.0,
                       "advantage_abs_mean": raw.abs().mean().item(), "lr": lr, **value_stats, **ppo_stats, **mismatch}
-            generated = sum(map(len, responses)) + value_stats.get("vine_tokens", 0)
+            response_tokens = dist.all_sum(torch.tensor([sum(map(len, responses))]))[0].item()  # all ranks'
+            generated = response_tokens + value_stats.get("vine_tokens", 0)
             record["tokens_per_s"] = generated / (seconds["rollout"] + seconds["values"])
             if done % cfg.eval_every == 0 or done == cfg.iterations or out_of_time:
                 t = time.perf_counter()
                 record["eval_accuracy"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
                 seconds["eval"] = time.perf_counter() - t
-            record.update({f"seconds_{k}": v for k, v in seconds.items()}, seconds=time.perf_counter() - t0)
-            append_metrics(log, record)
+            record.update({f"seconds_{k}": v for k, v in seconds.items()}, seconds=time.perf_counter() - t0,
+                          comm_bytes=dist.PAYLOAD["bytes"] - payload)  # what this rank sent to collectives
+            if rank == 0:
+                append_metrics(log, record)
             pause_point("metrics", done)
             completed, python_rng, torch_rng = done, rng.getstate(), torch.get_rng_state()
-            if done % cfg.save_every == 0 or done == cfg.iterations or out_of_time or stop.requested:
+            stopping = dist.all_sum(torch.tensor([float(stop.requested is not None)]))[0] > 0  # any rank signalled
+            if done % cfg.save_every == 0 or done == cfg.iterations or out_of_time or stopping:
                 checkpoint(iteration=done, python_rng=python_rng, torch_rng=torch_rng, train_seconds=train_seconds)
-            stop.release()
-            print(f"iteration {done}: reward {record['reward_mean']:.3f} kl_ref {record.get('kl_ref', 0):.2e} "
-                  f"tok/s {record['tokens_per_s']:.0f} {record['seconds']:.0f}s" +
-                  (f" eval {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""), flush=True)
-            if stop.requested:
+            if not dist.active():
+                stop.release()
+            dist.print0(f"iteration {done}: reward {record['reward_mean']:.3f} kl_ref {record.get('kl_ref', 0):.2e} "
+                        f"tok/s {record['tokens_per_s']:.0f} {record['seconds']:.0f}s" +
+                        (f" eval {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""))
+            if stopping:
                 sys.exit(stop.exit_code())
             if out_of_time:
-                print(f"time budget of {cfg.time_budget:.0f}s reached after {done} iterations", flush=True)
+                dist.print0(f"time budget of {cfg.time_budget:.0f}s reached after {done} iterations")
                 break
     except KeyboardInterrupt:
         if stop.holding:  # a second signal cut an update: the weights in memory are half-updated
@@ -227,6 +243,7 @@ def main(cfg: Config):
             print(f"interrupted: saving the state after iteration {completed}", flush=True)
             checkpoint(iteration=completed, python_rng=python_rng, torch_rng=torch_rng, train_seconds=train_seconds)
         sys.exit(stop.exit_code())
+    dist.finish()
 
 
 if __name__ == "__main__":

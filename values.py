@@ -8,8 +8,12 @@ the length limit scores 0. Identical states across the batch are estimated once.
 Steps are found in text (`split_steps`) and mapped to tokens through each token's character offset: a token belongs
 to the step holding its first character, so the state before step j is prompt + response tokens[:start_j].
 """
+import math
 import re
 
+import torch
+
+import dist
 from grader import grade
 
 # Math that must stay whole: $$..$$, $..$ (not \$), \(..\), \[..\], \begin{env}..\end{env}, [asy]..[/asy].
@@ -152,37 +156,125 @@ def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], 
     return scores, tokens
 
 
+def wilson_width(successes: float, n: int, *, z: float = 1.96) -> float:
+    """Width of the Wilson score interval of a 0/1 mean after n draws: sensible at 0/n and n/n, where the normal
+    approximation's width is 0 (e.g. 0/3: 0.56, 0/9: 0.30, 0/27: 0.12; 1/3: 0.73)."""
+    if n == 0:
+        return 1.0
+    p, z2 = successes / n, z * z
+    return 2 * z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+
+
+def posterior_variance(successes: float, n: int) -> float:
+    """Variance of the mean under the Beta(1 + successes, 1 + failures) posterior (uniform prior)."""
+    a, b = 1 + successes, 1 + n - successes
+    return a * b / ((a + b) ** 2 * (a + b + 1))
+
+
+def round_sizes(rewards: list[list[float]], *, k_mode: str, K: int, k_round: int, k_max: int, k_ci: float) -> list[int]:
+    """How many more vines each state gets in the next round, given the rewards its vines have had so far (0 = done).
+    fixed: K at once. adaptive: rounds of k_round until the Wilson interval is narrower than k_ci or k_max vines.
+    budget: K x states in all; a first round of k_round (at most K) each, then a round to the most uncertain half
+    (largest posterior variance) while the budget lasts. official: the official repository's expander: 10, then 4 more
+    while the normal interval 2 x 1.96 sqrt(p (1 - p) / n) is wider than 0.05, up to 30."""
+    counts = [len(r) for r in rewards]
+    if k_mode == "fixed":
+        return [K if n == 0 else 0 for n in counts]
+    if k_mode == "official":
+        return [10 if n == 0 else 0 if n >= 30 or 2 * 1.96 * math.sqrt(p * (1 - p) / n) <= 0.05 else min(4, 30 - n)
+                for n, p in ((len(r), sum(r) / max(len(r), 1)) for r in rewards)]
+    if k_mode == "adaptive":
+        return [k_round if n == 0 else 0 if n >= k_max or wilson_width(sum(r), n) <= k_ci else min(k_round, k_max - n)
+                for n, r in zip(counts, rewards)]
+    left = K * len(rewards) - sum(counts)  # budget
+    if 0 in counts:
+        return [min(k_round, K)] * len(rewards)
+    order = sorted(range(len(rewards)), key=lambda i: (-posterior_variance(sum(rewards[i]), counts[i]), i))
+    sizes = [0] * len(rewards)
+    for i in order[:min((len(rewards) + 1) // 2, left // k_round)]:
+        sizes[i] = k_round
+    if left > 0 and not any(sizes):
+        sizes[order[0]] = left  # the last few vines, to the most uncertain state
+    return sizes
+
+
+def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, dataset: str, K: int, k_mode: str,
+                 k_round: int, k_max: int, k_ci: float, temperature: float, top_p: float, max_new_tokens: int,
+                 seed: int = 0) -> tuple[list[list[float]], int]:
+    """The rewards of every state's vines, sampled in rounds (round_sizes; `fixed` is one round of K), and the number
+    of tokens sampled. Each round continues its states from their prefixes again (prefilled once per round)."""
+    rewards, tokens = [[] for _ in sequences], 0
+    for round_ in range(10_000):
+        sizes = round_sizes(rewards, k_mode=k_mode, K=K, k_round=k_round, k_max=k_max, k_ci=k_ci)
+        if not any(sizes):
+            break
+        for n in sorted(set(sizes) - {0}):  # one sampler call per vine count
+            idx = [i for i, size in enumerate(sizes) if size == n]
+            scores, t = mc_rollouts(sampler=sampler, sequences=[sequences[i] for i in idx],
+                                    prefix_lens=[prefix_lens[i] for i in idx], prompt_lens=[prompt_lens[i] for i in idx],
+                                    answers=[answers[i] for i in idx], dataset=dataset, K=n, temperature=temperature,
+                                    top_p=top_p, max_new_tokens=max_new_tokens,
+                                    seed=seed if k_mode == "fixed" else seed + 7_919 * round_ + n)
+            for i, sc in zip(idx, scores):
+                rewards[i] += sc
+            tokens += t
+    return rewards, tokens
+
+
+def split_states(costs: list[float], *, parts: int) -> list[list[int]]:
+    """Indices of `costs` dealt into `parts` lists of about equal total cost: costliest first, each to the part that is
+    lightest so far, so that no part ends more than one item's cost above another."""
+    loads, out = [0.0] * parts, [[] for _ in range(parts)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        out[part].append(i)
+        loads[part] += costs[i]
+    return [sorted(part) for part in out]
+
+
 def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]],
                     rewards: list[float], answers: list[str], dataset: str, K: int, temperature: float, top_p: float,
-                    max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0):
+                    max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0, k_mode: str = "fixed",
+                    k_round: int = 3, k_max: int = 27, k_ci: float = 0.5):
     """MC value of every state of every response.
 
     prompts[i], responses[i]: token ids; step_starts[i]: first token of each step (from step_token_starts);
     rewards[i]: the response's own 0/1 reward; answers[i]: its gold answer, against which each continuation is
     graded as a whole response (prefix + continuation). Returns (values, stats): values[i] has
     len(step_starts[i]) + 1 entries, the last being the terminal value 0.
+    Under torchrun the states of all ranks are pooled and deduplicated, then dealt out by their expected vine tokens
+    (K x what the sampled response had left after the state; split_states): each state is estimated once, on one
+    rank, whatever the world size, and every rank gets every value back. k_mode etc.: how many vines (round_sizes).
     """
-    unique, state_of = {}, []  # unique: (prompt + prefix) -> state index; state_of[i][j]: state of response i, step j
+    state_of, requests = [], {}  # state_of[i][j]: the key (prompt + prefix) of response i's state j
     for i, (prompt, response, starts) in enumerate(zip(prompts, responses, step_starts)):
         cap = len(starts) if max_value_steps is None else min(len(starts), max_value_steps)
-        state_of.append([unique.setdefault(tuple(prompt + response[:s]), len(unique)) for s in starts[:cap]])
-    owner = {}  # state -> (response index, prefix length): any response holding that state will do
-    for i, states in enumerate(state_of):
-        for j, state in enumerate(states):
-            owner.setdefault(state, (i, len(prompts[i]) + step_starts[i][j]))
-    order = sorted(owner)
-    sequences = [prompts[owner[s][0]] + responses[owner[s][0]] for s in order]
-    prefix_lens = [owner[s][1] for s in order]
-    scores, vine_tokens = mc_rollouts(sampler=sampler, sequences=sequences, prefix_lens=prefix_lens,
-                                      prompt_lens=[len(prompts[owner[s][0]]) for s in order],
-                                      answers=[answers[owner[s][0]] for s in order], dataset=dataset, K=K,
-                                      temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
-    value = {s: sum(sc) / len(sc) for s, sc in zip(order, scores)}
+        state_of.append([tuple(prompt + response[:s]) for s in starts[:cap]])
+        for key, s in zip(state_of[-1], starts):  # any response holding a state will do to continue it
+            requests.setdefault(key, (prompt + response, len(key), len(prompt), answers[i], K * (len(response) - s)))
+    pooled = {}
+    for part in dist.all_gather(requests):
+        for key, request in part.items():
+            pooled.setdefault(key, request)
+    keys = sorted(pooled)  # the same order on every rank
+    mine = [keys[i] for i in split_states([pooled[k][4] for k in keys], parts=dist.world())[dist.rank()]]
+    scores, vine_tokens = vine_rewards(sampler=sampler, sequences=[pooled[k][0] for k in mine],
+                                       prefix_lens=[pooled[k][1] for k in mine], prompt_lens=[pooled[k][2] for k in mine],
+                                       answers=[pooled[k][3] for k in mine], dataset=dataset, K=K, k_mode=k_mode,
+                                       k_round=k_round, k_max=k_max, k_ci=k_ci, temperature=temperature, top_p=top_p,
+                                       max_new_tokens=max_new_tokens, seed=seed)
+    value = {}
+    for part in dist.all_gather({key: sum(sc) / len(sc) for key, sc in zip(mine, scores)}):
+        value.update(part)
     values = []
     for i, states in enumerate(state_of):
-        estimated = [value[s] for s in states]
+        estimated = [value[key] for key in states]
         filled = [rewards[i]] * (len(step_starts[i]) - len(states))  # past the cap: V = final reward (gamma = 1)
         values.append(estimated + filled + [0.0])
-    stats = {"value_states": len(order), "value_states_requested": sum(map(len, state_of)),
-             "vines": len(order) * K, "vine_tokens": vine_tokens}
+    counts = [len(sc) for sc in scores]
+    totals = dist.all_sum(torch.tensor([sum(map(len, state_of)), vine_tokens, sum(counts)]))
+    most = max(dist.all_gather(max(counts, default=0)))
+    stats = {"value_states": len(keys), "value_states_requested": int(totals[0]), "vines": int(totals[2]),
+             "vine_tokens": int(totals[1]), "vines_per_state": int(totals[2]) / max(len(keys), 1),
+             "vines_per_state_max": most}
     return values, stats

@@ -16,12 +16,15 @@ from config import config_changes, parse_config
 
 
 class FakeModel:
-    """What save_checkpoint needs of a policy and a tokenizer: save_pretrained(folder)."""
+    """What save_checkpoint needs of a policy and a tokenizer: save_pretrained(folder), parameters()."""
 
     def __init__(self, name):
         self.name = name
 
-    def save_pretrained(self, folder):
+    def parameters(self):
+        return iter(())
+
+    def save_pretrained(self, folder, state_dict=None):
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / f"{self.name}.txt").write_text(self.name)
 
@@ -30,8 +33,8 @@ def save(out, iteration, **kwargs):
     linear = torch.nn.Linear(2, 1)
     optimizer = torch.optim.AdamW(linear.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    save_checkpoint(out, iteration=iteration, policy=FakeModel("policy"), value_head=None, tokenizer=FakeModel("tok"),
-                    optimizer=optimizer, scheduler=scheduler, python_rng=(3, tuple(range(625)), None),
+    save_checkpoint(out, iteration=iteration, scorer=linear, policy=FakeModel("policy"), value_head=None,
+                    tokenizer=FakeModel("tok"), optimizer=optimizer, scheduler=scheduler, python_rng=(3, tuple(range(625)), None),
                     torch_rng=torch.get_rng_state(), cfg=parse_config(["--out-dir", str(out)]), train_seconds=1.5,
                     **kwargs)
 
@@ -140,7 +143,7 @@ def test_restore_applies_a_changed_learning_rate_on_the_saved_schedule():
              "train_seconds": 9.0, "python_rng": (3, tuple(range(625)), None), "torch_rng": torch.get_rng_state()}
     optimizer, scheduler = setup(1e-3)
     import random
-    assert restore(state, Path("."), optimizer=optimizer, scheduler=scheduler, value_head=None, rng=random.Random(),
+    assert restore(state, scorer=torch.nn.Linear(2, 1), optimizer=optimizer, scheduler=scheduler, rng=random.Random(),
                    lrs=[4e-3]) == (4, 9.0)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(4e-3 * 0.25)  # the new base lr at step 2
     scheduler.step()

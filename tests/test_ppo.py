@@ -59,6 +59,7 @@ def test_padding_and_trim():
 def test_ppo_update_raises_logprob_of_advantaged_response(smol):
     """One real update on SmolLM2: the response with A > 0 becomes more likely, the one with A < 0 less."""
     import copy
+    from model import Scorer
     from ppo import batch_logprobs, micro_batches
     model, tokenizer = smol
     policy = copy.deepcopy(model).requires_grad_(True)
@@ -68,12 +69,13 @@ def test_ppo_update_raises_logprob_of_advantaged_response(smol):
     batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp,
              "advantages": pad_rows([torch.ones(len(good)), -torch.ones(len(bad))], resp.shape[1])}
     groups = micro_batches(2, size=1)
-    batch["old_logprobs"] = batch["ref_logprobs"] = batch_logprobs(policy, batch, P, groups=groups, temperature=1.0)[0]
+    scorer = Scorer(policy)
+    batch["old_logprobs"] = batch["ref_logprobs"] = batch_logprobs(scorer, batch, P, groups=groups, temperature=1.0)[0]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    stats = ppo_update(policy, optimizer, scheduler, batch, P, groups=groups, epochs=1, minibatch_size=2,
+    stats = ppo_update(Scorer(policy), optimizer, scheduler, batch, P, groups=groups, epochs=1, minibatch_size=2,
                        clip=0.2, kl_coef=1e-4, temperature=1.0)
-    after = batch_logprobs(policy, batch, P, groups=micro_batches(2, size=2), temperature=1.0)[0]
+    after = batch_logprobs(Scorer(policy), batch, P, groups=micro_batches(2, size=2), temperature=1.0)[0]
     assert stats["optimizer_steps"] == 1 and stats["skipped"] == 0 and stats["ratio"] == 1.0
     change = ((after - batch["old_logprobs"]) * resp).sum(1)  # change of each response's total log-prob
     assert change[0] > 0 > change[1]

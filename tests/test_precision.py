@@ -8,6 +8,7 @@ import torch
 
 import model as model_mod
 from decoding import decode_attention, prefix_layout
+from model import Scorer
 from ppo import (batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_loss, ppo_update, sampler_mismatch,
                  tis_weights)
 from hf_sampler import HFSampler
@@ -39,8 +40,8 @@ def fraction_moved_by_one_step(model, tokenizer, *, weights: torch.dtype, comput
     actually changed."""
     policy = copy.deepcopy(model).to(weights).requires_grad_(True)
     batch, P = tiny_batch(tokenizer)
-    batch["old_logprobs"], _ = batch_logprobs(policy, batch, P, groups=micro_batches(2, size=2), temperature=1.0,
-                                              dtype=compute)
+    batch["old_logprobs"], _ = batch_logprobs(Scorer(policy, dtype=compute), batch, P, groups=micro_batches(2, size=2),
+                                              temperature=1.0)
     batch["ref_logprobs"] = batch["old_logprobs"]
     batch["advantages"] = pad_rows([torch.ones(n) for n in batch["response_mask"].sum(1).tolist()],
                                    batch["response_mask"].shape[1])
@@ -50,8 +51,8 @@ def fraction_moved_by_one_step(model, tokenizer, *, weights: torch.dtype, comput
     grads = {}
     optimizer.register_step_pre_hook(
         lambda *_: grads.update({n: p.grad.clone() for n, p in policy.named_parameters()}))
-    stats = ppo_update(policy, optimizer, scheduler, batch, P, groups=micro_batches(2, size=2), epochs=1,
-                       minibatch_size=2, clip=0.2, kl_coef=1e-4, temperature=1.0, dtype=compute)
+    stats = ppo_update(Scorer(policy, dtype=compute), optimizer, scheduler, batch, P, groups=micro_batches(2, size=2),
+                       epochs=1, minibatch_size=2, clip=0.2, kl_coef=1e-4, temperature=1.0)
     assert stats["optimizer_steps"] == 1
     has_grad = changed = 0
     for name, p in policy.named_parameters():
@@ -81,18 +82,20 @@ def test_fixed_micro_batches_make_the_bf16_ratio_start_at_one(smol):
     batch, P = tiny_batch(tokenizer)
     for key in ("input_ids", "attention_mask", "response_mask"):
         batch[key] = torch.cat([batch[key], batch[key].flip(0)])  # 4 episodes
-    together = batch_logprobs(model, batch, P, groups=micro_batches(4, size=4), temperature=1.0, dtype=torch.bfloat16)[0]
-    alone = batch_logprobs(model, batch, P, groups=micro_batches(4, size=1), temperature=1.0, dtype=torch.bfloat16)[0]
+    bf16 = Scorer(model, dtype=torch.bfloat16)
+    together = batch_logprobs(bf16, batch, P, groups=micro_batches(4, size=4), temperature=1.0)[0]
+    alone = batch_logprobs(bf16, batch, P, groups=micro_batches(4, size=1), temperature=1.0)[0]
     assert not torch.equal(together * batch["response_mask"], alone * batch["response_mask"])
     policy = copy.deepcopy(model).requires_grad_(True)
     groups = micro_batches(4, size=2)
-    batch["old_logprobs"], _ = batch_logprobs(policy, batch, P, groups=groups, temperature=1.0, dtype=torch.bfloat16)
+    scorer = Scorer(policy, dtype=torch.bfloat16)
+    batch["old_logprobs"], _ = batch_logprobs(scorer, batch, P, groups=groups, temperature=1.0)
     batch["ref_logprobs"] = batch["old_logprobs"]
     batch["advantages"] = batch["response_mask"].float()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    stats = ppo_update(policy, optimizer, scheduler, batch, P, groups=groups, epochs=1, minibatch_size=4, clip=0.2,
-                       kl_coef=1e-4, temperature=1.0, dtype=torch.bfloat16)
+    stats = ppo_update(scorer, optimizer, scheduler, batch, P, groups=groups, epochs=1, minibatch_size=4,
+                       clip=0.2, kl_coef=1e-4, temperature=1.0)
     assert stats["optimizer_steps"] == 1 and stats["ratio"] == 1.0 and stats["approx_kl"] == 0.0, stats
 
 
@@ -164,7 +167,7 @@ def test_sampler_logprobs_are_the_trainers_in_fp32(smol, prompts, kind):
     groups = sampler.sample(prompts, n=2, temperature=0.6, top_p=0.9, max_new_tokens=20, seed=3)
     batch, P, samples = response_batch(prompts, groups, tokenizer)
     assert all(len(s.logprobs) == len(s.token_ids) for s in samples)
-    trainer, _ = batch_logprobs(model, batch, P, groups=micro_batches(len(samples), size=4), temperature=0.6)
+    trainer, _ = batch_logprobs(Scorer(model), batch, P, groups=micro_batches(len(samples), size=4), temperature=0.6)
     mine = pad_rows([torch.tensor(s.logprobs) for s in samples], batch["response_mask"].shape[1])
     gap = sampler_mismatch(trainer_logprobs=trainer, sampler_logprobs=mine, mask=batch["response_mask"])
     assert gap["mismatch_abs_logp"] < 1e-3 and gap["mismatch_ratio_out"] == 0, gap
@@ -180,7 +183,7 @@ def test_bf16_sampler_copy_sync_and_mismatch(smol, prompts):
     assert next(model.parameters()).dtype == torch.float32  # the policy itself is untouched
     groups = sampler.sample(prompts, n=2, temperature=0.6, top_p=0.9, max_new_tokens=24, seed=3)
     batch, P, samples = response_batch(prompts, groups, tokenizer)
-    trainer, _ = batch_logprobs(model, batch, P, groups=micro_batches(len(samples), size=4), temperature=0.6)
+    trainer, _ = batch_logprobs(Scorer(model), batch, P, groups=micro_batches(len(samples), size=4), temperature=0.6)
     mine = pad_rows([torch.tensor(s.logprobs) for s in samples], batch["response_mask"].shape[1])
     gap = sampler_mismatch(trainer_logprobs=trainer, sampler_logprobs=mine, mask=batch["response_mask"])
     assert 1e-4 < gap["mismatch_abs_logp"] < 0.1 and gap["mismatch_ratio_out"] < 0.05, gap

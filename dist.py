@@ -1,0 +1,181 @@
+"""Rank helpers for data parallelism under torchrun (`torch.distributed`): NCCL on CUDA, gloo on CPU.
+
+    python train.py ...                              one process: no process group, every helper is a no-op
+    torchrun --nproc_per_node=N train.py ...         N ranks on one machine
+    torchrun --nnodes=M --node_rank=I --rdzv-endpoint=HOST:PORT --nproc_per_node=N train.py ...
+
+Every rank holds the whole model (DDP) or a shard of it (--fsdp), samples its share of the prompts, estimates its
+share of the vine states, and takes the same optimizer step. Rank 0 writes the files.
+"""
+import contextlib
+import os
+import pickle
+
+import torch
+import torch.distributed as dist
+
+
+def init(device: torch.device) -> tuple[int, int]:
+    """(rank, world size). Under torchrun: join the process group (NCCL for CUDA, gloo for the CPU), on CUDA pin this
+    rank's GPU, on a CPU give each local rank its share of the cores. Without torchrun: (0, 1) and nothing else."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def finish():
+    """Leave the process group (at the end of a run)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+PAYLOAD = {"bytes": 0}  # bytes this rank has handed to collectives (all-reduce payloads, pickled objects), for the log
+
+
+def print0(*args):
+    """print, on rank 0 only (flushed)."""
+    if rank() == 0:
+        print(*args, flush=True)
+
+
+def all_gather(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank (any picklable object); [obj] alone."""
+    if not active():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    PAYLOAD["bytes"] += len(pickle.dumps(obj))
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj):
+    """Rank 0's obj, on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    PAYLOAD["bytes"] += len(pickle.dumps(obj)) if dist.get_rank() == 0 else 0
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_sum(values: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum over ranks, in float64 on the CPU (a copy; the input is left alone)."""
+    values = values.detach().double().cpu().clone()
+    if active():
+        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else values.device
+        summed = values.to(on)
+        PAYLOAD["bytes"] += summed.numel() * summed.element_size()
+        dist.all_reduce(summed)
+        values = summed.cpu()
+    return values
+
+
+def barrier():
+    if active():
+        dist.barrier()
+
+
+def mean(values: list[float]) -> float:
+    """The mean of `values` pooled over all ranks (each rank passes its own list)."""
+    total, n = all_sum(torch.tensor([float(sum(values)), float(len(values))])).tolist()
+    return total / max(n, 1)
+
+
+def weighted_mean(stats: dict, weight: float) -> dict:
+    """Means of `stats` (this rank's, over `weight` items) pooled over all ranks, each rank weighted by its own."""
+    sums = all_sum(torch.tensor([v * weight for v in stats.values()] + [weight])).tolist()
+    return {k: v / max(sums[-1], 1e-12) for k, v in zip(stats, sums)}
+
+
+def wrap(scorer: torch.nn.Module, *, fsdp: bool = False) -> torch.nn.Module:
+    """The module whose backward sums gradients over ranks; without torchrun, `scorer` itself.
+    DDP (default): every rank holds all the weights; gradients are all-reduced during backward.
+    FSDP2 (fsdp=True): parameters, gradients and AdamW's state sharded over ranks (`fully_shard`), each decoder layer
+    its own unit, gathered for its forward and backward. The shards stay fp32 (the master weights); a decoder layer
+    computes with its weights gathered in the scorer's dtype (bf16: FSDP2's mixed-precision policy, gradients reduced
+    in fp32). The root unit (embeddings, final norm, the output layer, the value head) stays fp32, as in DDP.
+    Build the optimizer after this call: FSDP2 replaces the parameters by sharded ones (DTensors)."""
+    if not active():
+        return scorer
+    device = next(scorer.parameters()).device
+    if not any(p.requires_grad for p in scorer.parameters()) and not fsdp:
+        return scorer  # the frozen reference: every rank keeps it whole
+    if not fsdp:
+        ddp = torch.nn.parallel.DistributedDataParallel(scorer, device_ids=[device] if device.type == "cuda" else None)
+        ddp.register_comm_hook(None, counted_allreduce)
+        return ddp
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    layers = MixedPrecisionPolicy(param_dtype=scorer.dtype, reduce_dtype=torch.float32)
+    for layer in scorer.policy.model.layers:
+        fully_shard(layer, mp_policy=layers)
+    # The root too reshards after every forward: left gathered after a no-grad forward (old log-probs), its weights
+    # (embeddings, output layer) got no gradient in the next backward (measured: torch 2.13, gloo).
+    fully_shard(scorer, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32), reshard_after_forward=True)
+    return scorer
+
+
+def counted_allreduce(state, bucket):
+    """DDP's own all-reduce of a gradient bucket, its size added to PAYLOAD."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    PAYLOAD["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(state, bucket)
+
+
+def sync_gradients(module: torch.nn.Module, sync: bool):
+    """Context for one micro-batch's forward and backward: with sync=False the gradients stay local and accumulate;
+    the minibatch's last micro-batch syncs, reducing the accumulated sum once (DDP: all-reduce; FSDP2:
+    reduce-scatter)."""
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(sync)
+    if sync or not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return module.no_sync()
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Are `module`'s parameters FSDP2 shards (DTensors)?"""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def full_state_dict(module: torch.nn.Module) -> dict:
+    """module.state_dict() with every FSDP2 shard gathered into the full tensor (a collective: all ranks call it)."""
+    from torch.distributed.tensor import DTensor
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def optimizer_state(scorer: torch.nn.Module, optimizer) -> dict:
+    """The optimizer's state to save: its own state_dict, or under FSDP2 the full (unsharded) one, keyed by parameter
+    name (a collective: all ranks call it)."""
+    if not hasattr(scorer, "set_requires_gradient_sync"):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(scorer, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(scorer: torch.nn.Module, optimizer, state: dict):
+    """The inverse of optimizer_state: under FSDP2 each rank keeps its own shard of the full state."""
+    if not hasattr(scorer, "set_requires_gradient_sync"):
+        return optimizer.load_state_dict(state)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(scorer, optimizer, state, options=StateDictOptions(full_state_dict=True))

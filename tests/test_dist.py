@@ -1,0 +1,124 @@
+"""Data parallelism on the CPU: 2 ranks under torchrun (gloo) against 1 process on the same global batch.
+The worker (tests/dist_worker.py) runs each case; these tests compare what rank 0 wrote."""
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from values import split_states
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "dist_worker.py"
+
+
+def run_worker(case: str, out: Path, *, ranks: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+              "--standalone"] if ranks > 1 else [sys.executable]
+    done = subprocess.run(launch + [str(WORKER), case, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=False)  # our own test output
+
+
+@pytest.mark.parametrize("case", ["ppo", "ppo-critic", "ppo-fsdp"])
+def test_two_ranks_with_half_the_episodes_each_take_the_one_rank_step(tmp_path, case):
+    """Two PPO steps (SGD: the step is the gradient, scale included) on 2 ranks x 4 episodes leave the parameters
+    where 1 rank x 8 episodes does. One rank's responses are 2-4 tokens, the other's 9-14: a loss normalised by each
+    rank's own token count, or gradients averaged without the world-size factor, would move them elsewhere."""
+    one = run_worker(case, tmp_path / "one.pt", ranks=1)
+    two = run_worker(case, tmp_path / "two.pt", ranks=2)
+    assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"] == 2
+    moved = max((one["weights"][k] - one["start"][k]).abs().max().item() for k in one["start"])
+    assert moved > 1e-3  # the step is real
+    for name, w in one["weights"].items():
+        assert torch.allclose(w, two["weights"][name], atol=3e-6, rtol=0), (name, (w - two["weights"][name]).abs().max())
+    for key in ("loss", "ratio", "approx_kl", "kl_ref", "entropy", "grad_norm") + (("value_loss",) if "critic" in case
+                                                                                   else ()):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
+
+
+def test_split_states_balances_cost_and_deals_each_state_once():
+    costs = [50, 7, 7, 30, 1, 22, 22, 9, 64, 3, 18]
+    for parts in (1, 2, 3, 5):
+        split = split_states(costs, parts=parts)
+        assert sorted(i for part in split for i in part) == list(range(len(costs)))
+        loads = [sum(costs[i] for i in part) for part in split]
+        assert max(loads) - min(loads) <= max(costs)
+
+
+def test_states_are_pooled_deduplicated_and_balanced_across_ranks(tmp_path):
+    """estimate_values on 2 ranks estimates exactly the states 1 rank does, each once, with the expected vine tokens
+    of the two ranks within one state's worth of each other, and every rank gets its responses' values back."""
+    one = run_worker("split", tmp_path / "one.pt", ranks=1)
+    two = run_worker("split", tmp_path / "two.pt", ranks=2)
+    single = one["ranks"][0]["states"]
+    pooled = [s for rank in two["ranks"] for s in rank["states"]]
+    assert len(set(single)) == len(single) and len(set(pooled)) == len(pooled)  # each state once
+    assert set(pooled) == set(single) and len(single) < 12 * 4  # shared first steps were deduplicated
+    costs = [rank["cost"] for rank in two["ranks"]]
+    biggest = 3 * 32  # K x the longest response (3 + at most 29 tokens): no state costs more
+    assert abs(costs[0] - costs[1]) <= biggest and sum(costs) == one["ranks"][0]["cost"]
+    assert two["stats"] == one["stats"]
+    values = {i: v for rank in two["ranks"] for i, v in rank["values"].items()}
+    assert values == one["ranks"][0]["values"]
+
+
+def torchrun_train(out: Path, data_dir, *args, pause: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "train.py", "--dataset", "gsm8k", "--k", "2",
+           "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--max-new-tokens", "24", "--eval-size", "2",
+           "--eval-samples", "1", "--data-dir", str(data_dir), "--out-dir", str(out), "--sampler", "hf", *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("VINEPPO_PAUSE_AT", None)
+    if pause:
+        env["VINEPPO_PAUSE_AT"] = pause
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def check_run(out: Path, iterations: int):
+    """metrics.jsonl holds each iteration once; the checkpoint loads in transformers and holds both ranks' RNG."""
+    import json
+    from transformers import AutoModelForCausalLM
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(iterations + 1))
+    assert all(r["optimizer_steps"] >= 1 and r["vines"] == 2 * r["value_states"] and r["comm_bytes"] > 0
+               for r in records[1:])
+    assert (out / "latest").read_text() == f"ckpt-{iterations:06d}"
+    assert AutoModelForCausalLM.from_pretrained(out / f"ckpt-{iterations:06d}").config.model_type == "llama"
+    state = torch.load(out / f"ckpt-{iterations:06d}" / "trainer_state.pt", weights_only=True)
+    assert len(state["torch_rng"]) == 2 and state["iteration"] == iterations
+
+
+def test_torchrun_rank_killed_mid_update_then_resume(tmp_path, data_dir, smol_path):
+    """torchrun --nproc_per_node=2 train.py (gloo, DDP) on real GSM8K rows with the real SmolLM2: rank 1 is killed
+    with SIGKILL in iteration 2's update, which takes the job down; the same command with --resume continues from the
+    iteration-1 checkpoint and finishes, each iteration logged once."""
+    out = tmp_path / "OUT"
+    proc = torchrun_train(out, data_dir, "--iterations", "2", "--save-every", "1", pause="ppo:2")
+    log = []
+    for line in proc.stdout:
+        log.append(line)
+        paused = re.search(r"paused at ppo:2 \(rank 1, pid (\d+)\)", line)
+        if paused:
+            os.kill(int(paused.group(1)), signal.SIGKILL)
+    assert proc.wait(timeout=900) != 0 and (out / "latest").read_text() == "ckpt-000001", "".join(log)[-4000:]
+    proc = torchrun_train(out, data_dir, "--iterations", "2", "--save-every", "1", "--resume")
+    log = proc.communicate(timeout=900)[0]
+    assert proc.returncode == 0 and "resumed from" in log, log[-4000:]
+    check_run(out, 2)
+
+
+def test_torchrun_fsdp_trains_checkpoints_and_resumes(tmp_path, data_dir, smol_path):
+    """The same with --fsdp (FSDP2 on gloo): a checkpoint of full weights and the full AdamW state, which --resume
+    shards again and continues from."""
+    out = tmp_path / "OUT"
+    for args in (["--iterations", "1"], ["--iterations", "2", "--resume"]):
+        proc = torchrun_train(out, data_dir, "--fsdp", *args)
+        log = proc.communicate(timeout=900)[0]
+        assert proc.returncode == 0, log[-4000:]
+    assert "resumed from" in log
+    check_run(out, 2)
