@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from data import encode_prompt, load_split
-from model import load_model, load_tokenizer, new_value_head
+from model import load_model, load_tokenizer, new_value_head, pick_dtype
 from hf_sampler import HFSampler
-from values import mc_rollouts, split_steps, step_token_starts
+from values import mc_rollouts, round_sizes, split_steps, step_token_starts
 
 
 def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, max_new_tokens: int,
@@ -82,6 +82,49 @@ def ranking_accuracy(estimates: list[float], truth: list[float], *, margin: floa
     return sum(scores) / len(scores) if scores else None
 
 
+def simulate_rule(pool: list[list[float]], *, k_mode: str, K: int, k_round: int = 3, k_max: int = 27,
+                  k_ci: float = 0.5) -> list[list[float]]:
+    """The rewards a vine-count rule (values.round_sizes) would see: each state's vines are read, in order, from its
+    pool of fresh i.i.d. vine rewards, so every rule is measured on the same draws."""
+    seen = [[] for _ in pool]
+    while any(sizes := round_sizes(seen, k_mode=k_mode, K=K, k_round=k_round, k_max=k_max, k_ci=k_ci)):
+        for r, p, n in zip(seen, pool, sizes):
+            if len(r) + n > len(p):
+                raise SystemExit(f"error: --pool {len(p)} is too small for {k_mode} (a state wants {len(r) + n})")
+            r += p[len(r):len(r) + n]
+    return seen
+
+
+def rule_summary(seen: list[list[float]], truth: list[float]) -> dict:
+    """V's MAE and bias, the MAE of sibling differences V(a) - V(b) (one next step's advantage over the other),
+    sibling ranking accuracy, and vines per state."""
+    est = [sum(r) / len(r) for r in seen]
+    pairs = range(0, len(truth) - 1, 2)
+    return {"mae": sum(abs(e - t) for e, t in zip(est, truth)) / len(truth),
+            "bias": sum(e - t for e, t in zip(est, truth)) / len(truth),
+            "advantage_mae": sum(abs((est[a] - est[a + 1]) - (truth[a] - truth[a + 1])) for a in pairs) / len(pairs),
+            "ranking_accuracy": ranking_accuracy(est, truth), "vines_per_state": sum(map(len, seen)) / len(seen)}
+
+
+def rule_knobs(rule: str) -> dict:
+    """'fixed:9' -> k_mode fixed, K 9; 'adaptive:0.5' -> k_ci 0.5 (K 9 unused); 'budget:9'; 'official'."""
+    mode, _, arg = rule.partition(":")
+    return {"k_mode": mode, "K": 9, **({"k_ci": float(arg)} if mode == "adaptive" else {"K": int(arg)} if arg else {})}
+
+
+def simulated_rules(truth: list[float], rules: list[str], *, repeats: int, pool: int, seed: int = 0) -> dict:
+    """Each rule's summary averaged over `repeats` fresh pools of Bernoulli(V) vines, V = each state's measured true
+    value: the expected errors of the rule on states like these, without the noise of one draw of vines."""
+    rng, sums = random.Random(seed), {rule: {} for rule in rules}
+    for _ in range(repeats):
+        pools = [[float(rng.random() < v) for _ in range(pool)] for v in truth]
+        for rule in rules:
+            for k, v in rule_summary(simulate_rule(pools, **rule_knobs(rule)), truth).items():
+                if v is not None:
+                    sums[rule][k] = sums[rule].get(k, 0.0) + v / repeats
+    return sums
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a ckpt-* folder of train.py (or any model spec)")
@@ -97,11 +140,15 @@ def main():
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="diagnostics")
+    parser.add_argument("--rules", default="", help="vine-count rules to compare on one pool of fresh vines, e.g. "
+                        "fixed:9,adaptive:0.5,budget:9,official (adaptive:CI uses --k-round 3, --k-max 27)")
+    parser.add_argument("--pool", type=int, default=45, help="fresh vines per state that the rules draw from")
+    parser.add_argument("--repeats", type=int, default=1000, help="simulated draws for the rules' expected errors")
     args = parser.parse_args()
     ks = sorted(int(k) for k in args.ks.split(","))
     tokenizer = load_tokenizer(args.checkpoint)
     model = load_model(args.checkpoint, device=torch.device("cpu"), dtype=torch.float32, frozen=True)
-    sampler = HFSampler(model, tokenizer)
+    sampler = HFSampler(model, tokenizer, dtype=pick_dtype("auto", torch.device("cpu")))  # bf16 where native
     examples = load_split(args.dataset, "test", data_dir=args.data_dir, arith_ops=args.arith_ops,
                           arith_max=args.arith_max)
     states = sibling_states(sampler, tokenizer, examples, dataset=args.dataset, pairs=args.pairs,
@@ -125,16 +172,27 @@ def main():
                       "ranking_accuracy": ranking_accuracy(est, truth)} for name, est in estimates.items()}
     for k in ks:
         summary[f"vine K={k}"]["expected_mae"] = sum(expected_mc_error(t, k) for t in truth) / len(truth)
+    if args.rules:
+        pool, _ = mc_rollouts(K=args.pool, seed=args.seed + 3, **rollout)  # independent of truth and of mc_scores
+        for rule in args.rules.split(","):
+            summary[f"rule {rule}"] = rule_summary(simulate_rule(pool, **rule_knobs(rule)), truth)
+        expected = simulated_rules(truth, args.rules.split(","), repeats=args.repeats, pool=args.pool, seed=args.seed)
+        summary.update({f"rule {rule} (expected)": row for rule, row in expected.items()})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"checkpoint": args.checkpoint, "states": len(states), "ground_truth_samples": args.ground_truth,
               "summary": summary, "per_state": [{"pair": s["pair"], "truth": t, **{n: e[i] for n, e in estimates.items()}}
                                                 for i, (s, t) in enumerate(zip(states, truth))]}
     (out / "value_error.json").write_text(json.dumps(report, indent=1))
-    plot_summary(summary, out / "value_error.png", title=f"{len(states)} states, truth = {args.ground_truth} samples")
+    title = f"{len(states)} states, truth = {args.ground_truth} samples"
+    plot_summary({n: r for n, r in summary.items() if not n.startswith("rule")}, out / "value_error.png", title=title)
+    if args.rules:
+        plot_rules({n: r for n, r in summary.items() if n.endswith("(expected)")}, out / "rules.png",
+                   title=f"{title}; each rule's expected error over {args.repeats} simulated draws")
     for name, row in summary.items():
         rank = "n/a" if row["ranking_accuracy"] is None else f"{row['ranking_accuracy']:.2f}"
         extra = f" (expected {row['expected_mae']:.3f})" if "expected_mae" in row else ""
+        extra += "".join(f"  {k} {row[k]:.3f}" for k in ("advantage_mae", "bias", "vines_per_state") if k in row)
         print(f"{name:10s} MAE {row['mae']:.3f}{extra}  sibling ranking accuracy {rank}")
     print(f"wrote {out / 'value_error.json'} and {out / 'value_error.png'}")
 
@@ -151,6 +209,24 @@ def plot_summary(summary: dict, path: Path, *, title: str):
     right.axhline(0.5, color="gray", linestyle="--", linewidth=1)
     right.set_title("sibling steps ranked right (higher is better)")
     right.set_ylim(0, 1)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rules(summary: dict, path: Path, *, title: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key in zip(axes, ("advantage_mae", "mae")):
+        for name, row in summary.items():
+            ax.scatter(row["vines_per_state"], row[key], color="#4c9a5b" if "fixed" in name else "#c0504d")
+            ax.annotate(name.removeprefix("rule ").removesuffix(" (expected)"), (row["vines_per_state"], row[key]),
+                        fontsize=7)
+        ax.set_xlabel("vines per state")
+        ax.set_title({"advantage_mae": "MAE of sibling difference V(a) - V(b)", "mae": "MAE of V"}[key])
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -52,3 +52,15 @@ def test_plot_runs(tmp_path):
     a.write_text("not json\n")
     with pytest.raises(SystemExit, match="metrics.jsonl:1"):
         read_metrics(str(a))
+
+
+def test_rules_are_simulated_on_one_pool_in_order():
+    from diagnose import rule_summary, simulate_rule
+    pool = [[0.0] * 45, [1.0, 0.0] * 22 + [1.0], [1.0] * 45, [0.0, 0.0, 1.0] * 15]
+    assert simulate_rule(pool, k_mode="fixed", K=9) == [p[:9] for p in pool]
+    adaptive = simulate_rule(pool, k_mode="adaptive", K=9, k_ci=0.6)
+    assert [len(r) for r in adaptive][:3] == [3, 9, 3] and all(r == p[:len(r)] for r, p in zip(adaptive, pool))
+    assert sum(map(len, simulate_rule(pool, k_mode="budget", K=9))) == 36
+    row = rule_summary([[1.0, 0.0], [1.0], [0.0], [0.0, 0.0]], truth=[0.5, 1.0, 0.25, 0.0])
+    assert row["mae"] == pytest.approx(0.25 / 4) and row["bias"] == pytest.approx(-0.25 / 4)
+    assert row["advantage_mae"] == pytest.approx(0.25 / 2) and row["vines_per_state"] == 1.5

@@ -131,3 +131,78 @@ def test_estimate_values_exact_means_dedup_cap_truncation():
                                     max_value_steps=2)
     assert capped[0] == pytest.approx([2 / 9, 4 / 9, 1.0, 1.0, 0.0])  # past the cap: the final reward
     assert stats["value_states"] == 2
+
+
+class SeededSampler:
+    """Each vine right ("#### 1") with its state's probability p(L) (L = prefix tokens past the 2-token prompt), drawn
+    from a hash of (seed, state, vine index): the same seed gives the same vines."""
+
+    def __init__(self, p):
+        self.tokenizer, self.p, self.asked = CharTokenizer(), p, 0
+
+    def sample_prefixes(self, sequences, prefix_lens, *, n, temperature, top_p, max_new_tokens, seed):
+        import random
+        self.asked += n * len(sequences)
+        return [[Sample([3, 9], "#### 1", True, [0.0, 0.0]) if random.Random(hash((seed, tuple(seq[:L]), j))).random()
+                 < self.p[L - 2] else Sample([4, 9], "#### 0", True, [0.0, 0.0]) for j in range(n)]
+                for seq, L in zip(sequences, prefix_lens)]
+
+
+def run_modes(k_mode, seed=0, **kwargs):
+    prompt, responses = [7, 7], [[0, 1, 2, 3, 9], [0, 2, 1, 9], [1, 0, 2, 9]]
+    starts = [[0, 1, 2, 3], [0, 1, 2], [0, 1, 2]]
+    sampler = SeededSampler(p={0: 0.0, 1: 0.5, 2: 1.0, 3: 0.3})
+    values, stats = estimate_values(sampler=sampler, prompts=[prompt] * 3, responses=responses, step_starts=starts,
+                                    rewards=[1.0, 0.0, 1.0], answers=["1"] * 3, dataset="gsm8k", K=9, temperature=0.6,
+                                    top_p=0.9, max_new_tokens=10, seed=seed, k_mode=k_mode, **kwargs)
+    return values, stats, sampler
+
+
+def test_stopping_rules_on_hand_made_rewards():
+    from values import round_sizes, wilson_width
+    assert wilson_width(0, 3) == pytest.approx(0.56, abs=0.01) and wilson_width(3, 3) == wilson_width(0, 3)
+    assert wilson_width(1, 3) > wilson_width(0, 3) > wilson_width(0, 9) > wilson_width(0, 27)
+    rules = dict(K=9, k_round=3, k_max=12, k_ci=0.6)
+    # adaptive: a first round for everyone; all-0 and all-1 after 3 stop (0.56 < 0.6); mixed go on, up to k_max
+    assert round_sizes([[], [], []], k_mode="adaptive", **rules) == [3, 3, 3]
+    assert round_sizes([[0, 0, 0], [1, 1, 1], [1, 0, 0]], k_mode="adaptive", **rules) == [0, 0, 3]
+    assert round_sizes([[1, 0] * 3, [1, 0] * 6], k_mode="adaptive", **rules) == [3, 0]  # 3/6: width 0.63; k_max
+    assert round_sizes([[1, 0] * 5 + [1]], k_mode="adaptive", **dict(rules, k_ci=0.3)) == [1]  # the last one to 12
+    # official: 10 first; unanimous 10 stop (normal width 0); mixed add 4 up to 30
+    assert round_sizes([[]], k_mode="official", **rules) == [10]
+    assert round_sizes([[0] * 10, [1] * 10, [1] + [0] * 9, [1, 0] * 15], k_mode="official", **rules) == [0, 0, 4, 0]
+    # fixed: K once
+    assert round_sizes([[], [1] * 9], k_mode="fixed", **rules) == [9, 0]
+
+
+def test_budget_never_exceeds_its_budget_and_gives_every_state_a_round():
+    import random
+    from values import round_sizes
+    for K, k_round, states in ((9, 3, 7), (2, 3, 4), (9, 4, 1), (5, 3, 6)):
+        rng, rewards = random.Random(K), [[] for _ in range(states)]
+        truth = [rng.random() for _ in range(states)]
+        while any(sizes := round_sizes(rewards, k_mode="budget", K=K, k_round=k_round, k_max=99, k_ci=0.1)):
+            for r, n, p in zip(rewards, sizes, truth):
+                r += [float(rng.random() < p) for _ in range(n)]
+        assert sum(map(len, rewards)) == K * states, (K, k_round, states)  # all of the budget, never more
+        assert min(map(len, rewards)) >= min(k_round, K)
+
+
+def test_fixed_mode_is_one_round_of_k_and_modes_are_deterministic():
+    from values import mc_rollouts
+    values, stats, sampler = run_modes("fixed", seed=5)
+    assert stats["vines"] == 9 * stats["value_states"] == sampler.asked and stats["vines_per_state_max"] == 9
+    again = SeededSampler(p={0: 0.0, 1: 0.5, 2: 1.0, 3: 0.3})  # today's single mc_rollouts call, same seed
+    keys = sorted({tuple([7, 7] + r[:s]) for r, st in zip([[0, 1, 2, 3, 9], [0, 2, 1, 9], [1, 0, 2, 9]],
+                                                           [[0, 1, 2, 3], [0, 1, 2], [0, 1, 2]]) for s in st})
+    scores, _ = mc_rollouts(sampler=again, sequences=[list(k) + [9] for k in keys], prefix_lens=[len(k) for k in keys],
+                            prompt_lens=[2] * len(keys), answers=["1"] * len(keys), dataset="gsm8k", K=9,
+                            temperature=0.6, top_p=0.9, max_new_tokens=10, seed=5)
+    today = {k: sum(s) / 9 for k, s in zip(keys, scores)}
+    assert values[0][:4] == [today[tuple([7, 7] + [0, 1, 2, 3][:s])] for s in [0, 1, 2, 3]]
+    for mode in ("adaptive", "budget", "official"):
+        first, second = run_modes(mode, seed=3, k_ci=0.6)[:2], run_modes(mode, seed=3, k_ci=0.6)[:2]
+        assert first == second, mode
+    adaptive = run_modes("adaptive", seed=3, k_ci=0.6)[1]
+    assert adaptive["vines_per_state"] < 9 and adaptive["vines_per_state_max"] > 3  # unanimous states stop at 3
+    assert run_modes("budget", seed=3)[1]["vines"] == 9 * adaptive["value_states"]
