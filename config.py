@@ -24,7 +24,8 @@ class Config:
     model: str = arg(DEFAULT_MODEL, "Hub id, local HF folder or .gguf file")
     prompt_format: str = arg("chat", "chat: the model's chat template; sft: the paper's '[MATH_TASK] Problem:' format",
                              choices=["chat", "sft"])
-    out_dir: str | None = arg(None, "where metrics.jsonl and checkpoints go (default runs/<dataset>-k<K>-s<seed>)")
+    out_dir: str | None = arg(None, "where metrics.jsonl and checkpoints go (default "
+                                    "runs/<dataset>-<estimator>-k<K>-s<seed>)")
     seed: int = arg(0, "random seed (prompt order, sampling, minibatches)")
     iterations: int | None = arg(None, "PPO iterations (paper: 650 gsm8k, 1000 math; arith: 200)")
     time_budget: float = arg(0.0, "stop once this many seconds of training (evaluation excluded) have passed; 0: none")
@@ -69,8 +70,9 @@ class Config:
     save_every: int = arg(10, "write a checkpoint every this many iterations (and at the end, and on Ctrl-C)")
     resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
     overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run, deleting its checkpoints and metrics")
-    sampler: str = arg("auto", "auto: vLLM if it imports and starts, else our decode loop (hf); generate: "
-                               "transformers' generate", choices=["auto", "hf", "generate", "vllm"])
+    sampler: str = arg("auto", "auto: vLLM if it imports and starts, else hf; hf: this project's own CPU/GPU decode "
+                               "loop (decoding.py), not transformers'; generate: transformers' generate; vllm",
+                       choices=["auto", "hf", "generate", "vllm"])
     gen_batch_size: int = arg(256, "rows per generation batch (transformers samplers)")
     device: str = arg("auto", "auto, cpu or cuda")
     dtype: str = arg("auto", "compute dtype of training (autocast), the sampler and the reference; master weights and "
@@ -80,13 +82,15 @@ class Config:
                               "pi_sampler, C); 0: off")
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
     fsdp: bool = arg(False, "under torchrun: shard weights, gradients and AdamW's state over ranks with FSDP2 "
-                            "(default: DDP, every rank holds them all)")
+                            "(off: DDP, every rank holds them all)")
 
 
 def parse_config(argv=None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
         name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        if f.default is not None:  # None defaults say in their text what they become
+            meta["help"] += " (default: %(default)s)"
         if f.type is bool:
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, **meta)
         else:  # `int | None` parses as int

@@ -102,3 +102,13 @@ def test_baseline_estimators_run_in_the_same_loop(tmp_path, smol_path, estimator
     assert "vines" not in record and record["optimizer_steps"] >= 1
     assert ("value_loss" in record) == (estimator == "critic")
     assert (out / "ckpt-000001" / "value_head.pt").exists() == (estimator == "critic")
+
+
+def test_help_shows_every_default(capsys):
+    import dataclasses
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert out.count("(default:") >= sum(f.default is not None for f in dataclasses.fields(Config))
+    assert "batch (default: True)" in out and "(default: 0.6)" in out  # --whiten, --temperature
+    assert "runs/<dataset>-<estimator>-k<K>-s<seed>" in out and "not transformers'" in out
