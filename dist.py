@@ -90,6 +90,11 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def rank_seed(seed: int) -> int:
+    """A sampling seed of this rank's own: ranks must not draw the same random numbers for different prompts."""
+    return seed + rank() * 100_003
+
+
 def barrier():
     if active():
         dist.barrier()

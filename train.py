@@ -41,7 +41,7 @@ def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int) -> float:
     prompts = [encode_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
                for e in examples]
     samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
-                             max_new_tokens=cfg.max_new_tokens, seed=seed + dist.rank() * 100_003) if prompts else []
+                             max_new_tokens=cfg.max_new_tokens, seed=dist.rank_seed(seed)) if prompts else []
     return dist.mean([grade(s.text, e["answer"], dataset=cfg.dataset, truncated=not s.finished)
                       for e, group in zip(examples, samples) for s in group])
 
@@ -112,7 +112,7 @@ def main(cfg: Config):
         for it in range(start, cfg.iterations):
             seconds, t0 = {}, time.perf_counter()  # (completed, python_rng, torch_rng) = the state before this one
             payload = dist.PAYLOAD["bytes"]
-            seed = cfg.seed * 1_000_003 + it + rank * 100_003  # ranks draw different random numbers
+            seed = dist.rank_seed(cfg.seed * 1_000_003 + it)
 
             # 1. Sample prompts (with replacement, as in the official implementation); each rank takes its share
             examples = rng.choices(train_set, k=cfg.prompts_per_iter)[rank::world]
