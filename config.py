@@ -124,6 +124,8 @@ def parse_config(argv=None) -> Config:
     if cfg.minibatch_size % (world * cfg.micro_batch_size):
         parser.error(f"--minibatch-size ({cfg.minibatch_size}) must be a multiple of --micro-batch-size "
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
+    if not cfg.k_ci > 0:
+        parser.error(f"--k-ci must be above 0 (got {cfg.k_ci})")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
     if not cfg.temperature > 0:

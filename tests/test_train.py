@@ -24,7 +24,8 @@ def test_config_defaults_and_derived_values():
 
 
 @pytest.mark.parametrize("argv", [["--k", "0"], ["--step-split", "lines"], ["--dataset", "svamp"], ["--iterations", "x"],
-                                  ["--tis-cap", "0.5"], ["--dtype", "float16"]])
+                                  ["--tis-cap", "0.5"], ["--dtype", "float16"], ["--k-ci", "0"],
+                                  ["--k-mode", "sometimes"], ["--k-round", "0"], ["--k-max", "0"]])
 def test_bad_flags_are_one_line_errors(argv, capsys):
     with pytest.raises(SystemExit):
         parse_config(argv)
