@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model import DEFAULT_MODEL, pick_device
+from monitor import tracker_missing
 
 
 def arg(default, help, **kwargs):
@@ -80,6 +81,9 @@ class Config:
                              "else fp32", choices=["auto", "float32", "bfloat16"])
     tis_cap: float = arg(0.0, "truncated importance sampling: weight each token's PPO loss by min(pi_old / "
                               "pi_sampler, C); 0: off")
+    track: str = arg("none", "also log the metrics (and a few responses with their step advantages) to tensorboard "
+                             "(<out-dir>/tb) or wandb (WANDB_MODE=offline works without a network)",
+                     choices=["none", "tensorboard", "wandb"])
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
     fsdp: bool = arg(False, "under torchrun: shard weights, gradients and AdamW's state over ranks with FSDP2 "
                             "(off: DDP, every rank holds them all)")
@@ -139,6 +143,9 @@ def parse_config(argv=None) -> Config:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun --max-restarts: go on
         has_checkpoint = (Path(cfg.out_dir) / "latest").exists()
         cfg.resume, cfg.overwrite = has_checkpoint, not has_checkpoint
+    problem = tracker_missing(cfg.track)
+    if problem:
+        parser.error(problem)
     problem = unwritable(Path(cfg.out_dir))
     if problem:
         parser.error(f"--out-dir {cfg.out_dir}: {problem}")
@@ -168,7 +175,7 @@ RUN_DEFINING = ("dataset", "estimator", "model", "prompt_format", "seed", "arith
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
                 "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
                 "k_max", "k_ci")
-NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite")
+NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track")
 
 
 def config_changes(saved: dict, cfg: Config) -> tuple[list[str], list[str]]:

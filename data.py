@@ -3,8 +3,9 @@
 arith: procedurally generated multi-step arithmetic word problems (a task the 135M model can learn on a CPU), with
 fixed train/test splits from a seed; "#### <number>" answers graded like GSM8K.
 
-Sources, in order: a local folder (`--data-dir DIR` or $VINEPPO_DATA_DIR) holding DIR/<dataset>/<split>.jsonl, else
-the Hugging Face Hub through `datasets`:
+Sources, in order: a local folder (`--data-dir DIR` or $VINEPPO_DATA_DIR) holding DIR/<dataset>/<split>.jsonl; the
+copy a first Hub download left in $VINEPPO_CACHE/data (default ~/.cache/vineppo/data); the Hugging Face Hub through
+`datasets`, when its host answers within 3 s (checked once, no retries; HF_HUB_OFFLINE=1 skips it):
     gsm8k: openai/gsm8k "main" (train 7,473 / test 1,319); gold = the number after "####".
     math:  train = EleutherAI/hendrycks_math (7,500, all subjects); test = HuggingFaceH4/MATH-500;
            gold = the `answer` field, or the last \\boxed{} of the solution.
@@ -16,6 +17,7 @@ import random
 from pathlib import Path
 
 from grader import extract_boxed
+from model import cache_dir, hub_reachable
 
 DATASETS = ("gsm8k", "math", "arith")
 SPLITS = ("train", "test")
@@ -30,6 +32,7 @@ CHAT_INSTRUCTION = {
     "math": "Solve the problem step by step. Write one step per line. "
             "Put the final answer in \\boxed{...} on the last line.",
 }
+FIELDS = {"gsm8k": ("question", "answer"), "math": ("problem", "answer", "solution", "level", "type", "subject")}
 SFT_TEMPLATE = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the paper's SFT checkpoints were trained on this
 
 
@@ -105,15 +108,29 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
     data_dir = data_dir or os.environ.get("VINEPPO_DATA_DIR")
     if data_dir:
         return read_jsonl(find_local_file(data_dir, dataset=dataset, split=split), dataset=dataset)
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        raise SystemExit(f"error: offline and no data folder: pass --data-dir DIR holding {dataset}/{split}.jsonl "
-                         "(or set VINEPPO_DATA_DIR)")
-    try:
-        rows = hub_rows(dataset=dataset, split=split)
-    except Exception as e:  # no network, no `datasets`, a moved repository: all end the same way for the user
-        raise SystemExit(f"error: could not load {dataset}/{split} from the Hub ({type(e).__name__}); pass --data-dir "
-                         f"DIR holding {dataset}/{split}.jsonl (or set VINEPPO_DATA_DIR)") from None
-    return [to_example(row, dataset=dataset, where=f"hub:{dataset}/{split}[{i}]") for i, row in enumerate(rows)]
+    cached = cache_dir() / "data" / dataset / f"{split}.jsonl"
+    if not cached.is_file():
+        if not hub_reachable():
+            raise SystemExit(f"error: {dataset}/{split}: the Hugging Face Hub is unreachable and no data folder was "
+                             f"given; pass --data-dir DIR holding {dataset}/{split}.jsonl (README: Data)")
+        try:
+            rows = hub_rows(dataset=dataset, split=split)
+        except Exception as e:  # no `datasets`, a moved repository, a dropped connection: all end the same way
+            raise SystemExit(f"error: could not load {dataset}/{split} from the Hub ({type(e).__name__}); pass "
+                             f"--data-dir DIR holding {dataset}/{split}.jsonl (README: Data)") from None
+        for i, row in enumerate(rows):  # every row checked before any is cached
+            to_example(row, dataset=dataset, where=f"hub:{dataset}/{split}[{i}]")
+        write_cache(cached, [{field: row[field] for field in FIELDS[dataset] if field in row} for row in rows])
+    return read_jsonl(cached, dataset=dataset)
+
+
+def write_cache(path: Path, rows: list[dict]):
+    """The Hub's rows as .jsonl, written atomically, so that later runs need no network."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    os.replace(tmp, path)
 
 
 def make_prompt(question: str, *, dataset: str, tokenizer, prompt_format: str = "chat") -> str:

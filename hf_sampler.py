@@ -76,7 +76,7 @@ class HFSampler:
         was_training = self.model.training
         self.model.eval()
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0}
-        bar = tqdm(total=len(rows), desc=f"sampling {len(rows)}", leave=False)
+        bar = tqdm(total=len(rows), desc="sampling", unit="row", leave=False)  # moves every decoding step
         group_start = 0
         while group_start < len(order):  # groups of parents whose KV caches are held at once
             group, tokens = [], 0
@@ -92,10 +92,9 @@ class HFSampler:
             for start in range(0, len(group_rows), self.batch_size):
                 batch = group_rows[start:start + self.batch_size]
                 samples = self.decode([(slot[p], L, b, key) for p, L, b, key in batch], cache,
-                                      temperature=temperature, top_p=top_p, seed=seed)
+                                      temperature=temperature, top_p=top_p, seed=seed, bar=bar)
                 for (_, _, _, key), sample in zip(batch, samples):
                     out[key // n][key % n] = sample
-                bar.update(len(batch))
         bar.close()
         self.model.train(was_training)
         return out
@@ -124,9 +123,10 @@ class HFSampler:
                                                                  attend=attend)
         return {"keys": keys, "values": values, "hidden": hidden, "lens": [len(s) for s in seqs], "width": W}
 
-    def decode(self, batch, cache: dict, *, temperature: float, top_p: float, seed: int) -> list[Sample]:
+    def decode(self, batch, cache: dict, *, temperature: float, top_p: float, seed: int, bar=None) -> list[Sample]:
         """Sample the rows of `batch` = [(slot, prefix length, budget, row key)] (sorted by slot) from a prefilled
-        cache. Prefixes stay in the prefill cache; each row's cache holds only the tokens it generates."""
+        cache. Prefixes stay in the prefill cache; each row's cache holds only the tokens it generates. `bar`, a
+        tqdm bar counting rows, gets finished rows and the tokens generated so far after every step."""
         started = time.perf_counter()
         cfg, B = self.model.config, len(batch)
         G = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -148,6 +148,7 @@ class HFSampler:
         for step in range(max(budgets)):
             tokens, token_logprobs = next_tokens(self.model, hidden, rows=rows, temperature=temperature, top_p=top_p,
                                                  seed=seed, step=step, logits=logits, scratch=scratch)  # (B,), (B,)
+            new_tokens, newly_finished = 0, 0
             for c, (token, logp) in enumerate(zip(tokens.tolist(), token_logprobs.tolist())):
                 r = alive[c]
                 if not finished[r]:
@@ -156,7 +157,13 @@ class HFSampler:
                     finished[r] = token in self.stop_ids or len(generated[r]) >= budgets[r] or bool(
                         self.stop_strings) and any(stop in self.tokenizer.decode(generated[r][-16:])
                                                    for stop in self.stop_strings)
+                    new_tokens, newly_finished = new_tokens + 1, newly_finished + finished[r]
             done = [finished[r] for r in alive]
+            if bar is not None:
+                bar.tokens = getattr(bar, "tokens", 0) + new_tokens
+                bar.set_postfix_str(f"{bar.tokens} tokens, {bar.tokens / max(bar.format_dict['elapsed'], 1e-3):.0f} "
+                                    "tok/s", refresh=False)
+                bar.update(newly_finished)  # redraws at most every 0.1 s
             if all(done):
                 break
             if sum(done) * 4 >= len(done):  # finished rows leave the batch once they are a quarter of it

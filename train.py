@@ -21,6 +21,7 @@ from checkpoint import (GracefulStop, append_metrics, load_trainer_state, load_v
 from config import Config, config_changes, parse_config
 from data import encode_prompt, load_split
 from grader import grade
+from monitor import Meter, Tracker, progress, response_steps, sample_markdown
 from model import Scorer, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
 from ppo import batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_update, sampler_mismatch, tis_weights
 from rollout import make_sampler
@@ -97,6 +98,7 @@ def main(cfg: Config):
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None  # rank 0 writes the run's files
+    tracker = Tracker(cfg.track if rank == 0 else "none", out_dir, cfg)  # a mirror of metrics.jsonl, if asked for
     checkpoint = partial(save_checkpoint, out_dir, scorer=scorer, policy=policy, value_head=value_head,
                          tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, cfg=cfg)
     stop = GracefulStop()
@@ -105,12 +107,20 @@ def main(cfg: Config):
     completed, python_rng, torch_rng = start, rng.getstate(), torch.get_rng_state()  # what a stop now would save
     try:
         if start == 0:
+            meter = Meter(device)
+            meter.start()
             accuracy = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+            meter.stop("eval")
+            record = {"iteration": 0, "eval_accuracy": accuracy, "train_seconds": 0.0, **meter.record()}
             if rank == 0:
-                append_metrics(log, {"iteration": 0, "eval_accuracy": accuracy, "train_seconds": 0.0})
-            dist.print0(f"iteration 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples}")
+                append_metrics(log, record)
+                tracker.log(record)
+            dist.print0(f"iteration 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples} "
+                        f"({meter.seconds['eval']:.0f}s)")
+        loop_started = time.perf_counter()
         for it in range(start, cfg.iterations):
-            seconds, t0 = {}, time.perf_counter()  # (completed, python_rng, torch_rng) = the state before this one
+            meter, t0 = Meter(device), time.perf_counter()  # (completed, python_rng, torch_rng) = the state before it
+            meter.start()
             payload = dist.PAYLOAD["bytes"]
             seed = dist.rank_seed(cfg.seed * 1_000_003 + it)
 
@@ -127,7 +137,7 @@ def main(cfg: Config):
             group_of = [i for i, g in enumerate(groups) for _ in g]
             samples = [s for g in groups for s in g]
             responses = [s.token_ids for s in samples]
-            seconds["rollout"] = time.perf_counter() - t0
+            meter.stop("rollout")
             pause_point("rollout", it + 1)
 
             # 3. Grade: 0/1 reward per response (0 if it hit the length limit)
@@ -137,7 +147,8 @@ def main(cfg: Config):
             micro = micro_batches(len(responses), size=cfg.micro_batch_size)  # the same groups for every pass
 
             # 4. Values. vine: split into steps, K vines from the state before every step. critic: the value head.
-            t, value_stats, old_logprobs = time.perf_counter(), {}, None
+            meter.start()
+            value_stats, old_logprobs = {}, None
             if cfg.estimator == "vine":
                 starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, dataset=cfg.dataset,
                                             split=cfg.step_split) for s in samples]
@@ -154,7 +165,7 @@ def main(cfg: Config):
                 flat_values = torch.cat(values).tolist()
             if cfg.estimator in ("vine", "critic"):
                 value_stats["value_mean"] = dist.mean(flat_values)
-            seconds["values"] = time.perf_counter() - t
+            meter.stop("values")
 
             # 5. Advantages. vine: GAE over step values, each token gets its step's. critic: GAE over token values.
             #    grpo / rloo: one advantage per response from its group's rewards.
@@ -176,7 +187,8 @@ def main(cfg: Config):
             #    computed its own log-probs of the same tokens: their gap is measured, and corrected with --tis-cap.
             #    From here on the iteration runs to its end, even on Ctrl-C or SIGTERM (then saves and stops).
             stop.hold()
-            t, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
+            meter.start()
+            lr = optimizer.param_groups[0]["lr"]
             if old_logprobs is None:
                 old_logprobs, _ = batch_logprobs(scorer, batch, P, groups=micro, temperature=cfg.temperature)
             batch["old_logprobs"] = old_logprobs
@@ -193,13 +205,13 @@ def main(cfg: Config):
                                    minibatch_size=cfg.minibatch_size // world,  # this rank's share of each step
                                    clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
                                    max_grad_norm=cfg.max_grad_norm, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
-            seconds["ppo"] = time.perf_counter() - t
+            meter.stop("ppo")
             pause_point("ppo", it + 1)
 
             # 7. Sampler sync: the sampler must generate from the updated policy
-            t = time.perf_counter()
+            meter.start()
             sampler.sync(policy)
-            seconds["sync"] = time.perf_counter() - t
+            meter.stop("sync")
 
             # 8. Eval, log, checkpoint: the metrics line is on disk before the checkpoint that covers it
             done = it + 1
@@ -212,15 +224,24 @@ def main(cfg: Config):
                       "advantage_abs_mean": raw.abs().mean().item(), "lr": lr, **value_stats, **ppo_stats, **mismatch}
             response_tokens = dist.all_sum(torch.tensor([sum(map(len, responses))]))[0].item()  # all ranks'
             generated = response_tokens + value_stats.get("vine_tokens", 0)
-            record["tokens_per_s"] = generated / (seconds["rollout"] + seconds["values"])
-            if done % cfg.eval_every == 0 or done == cfg.iterations or out_of_time:
-                t = time.perf_counter()
+            record["tokens_per_s"] = generated / (meter.seconds["rollout"] + meter.seconds["values"])
+            evaluating = done % cfg.eval_every == 0 or done == cfg.iterations or out_of_time
+            if evaluating:
+                meter.start()
                 record["eval_accuracy"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
-                seconds["eval"] = time.perf_counter() - t
-            record.update({f"seconds_{k}": v for k, v in seconds.items()}, seconds=time.perf_counter() - t0,
+                meter.stop("eval")
+            record.update(meter.record(), seconds=time.perf_counter() - t0,
                           comm_bytes=dist.PAYLOAD["bytes"] - payload)  # what this rank sent to collectives
             if rank == 0:
                 append_metrics(log, record)
+                tracker.log(record)
+                if evaluating:  # two responses with the advantage each step got, for a reader of the tracker
+                    for i in (0, len(samples) - 1):
+                        steps, step_advantages = response_steps(
+                            token_ids=responses[i], text=samples[i].text, advantages=advantages[i], tokenizer=tokenizer,
+                            dataset=cfg.dataset, split=cfg.step_split)
+                        tracker.text(f"responses/{i}", sample_markdown(text_steps=steps, step_advantages=step_advantages,
+                                                                       reward=rewards[i], answer=answers[i]), done)
             pause_point("metrics", done)
             completed, python_rng, torch_rng = done, rng.getstate(), torch.get_rng_state()
             stopping = dist.all_sum(torch.tensor([float(stop.requested is not None)]))[0] > 0  # any rank signalled
@@ -228,9 +249,13 @@ def main(cfg: Config):
                 checkpoint(iteration=done, python_rng=python_rng, torch_rng=torch_rng, train_seconds=train_seconds)
             if not dist.active():
                 stop.release()
-            dist.print0(f"iteration {done}: reward {record['reward_mean']:.3f} kl_ref {record.get('kl_ref', 0):.2e} "
-                        f"tok/s {record['tokens_per_s']:.0f} {record['seconds']:.0f}s" +
-                        (f" eval {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""))
+            budget_left = cfg.time_budget - train_seconds if cfg.time_budget > 0 else None
+            where = progress(done=done, total=cfg.iterations, first=start, elapsed=time.perf_counter() - loop_started,
+                             budget_left=budget_left)
+            dist.print0(f"iteration {where} | this one {record['seconds']:.0f}s, reward {record['reward_mean']:.3f}, "
+                        f"kl_ref {record.get('kl_ref', 0):.2e}, {record['tokens_per_s']:.0f} tok/s, "
+                        f"{record['mem_gb']:.1f} GB" +
+                        (f", eval {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""))
             if stopping:
                 sys.exit(stop.exit_code())
             if out_of_time:
@@ -243,6 +268,8 @@ def main(cfg: Config):
             print(f"interrupted: saving the state after iteration {completed}", flush=True)
             checkpoint(iteration=completed, python_rng=python_rng, torch_rng=torch_rng, train_seconds=train_seconds)
         sys.exit(stop.exit_code())
+    finally:
+        tracker.close()
     dist.finish()
 
 

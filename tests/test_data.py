@@ -63,6 +63,35 @@ def test_missing_folder_and_offline_errors(tmp_path, monkeypatch):
         load_split("svamp", "train", data_dir=str(tmp_path))
 
 
+def test_hub_rows_are_cached_for_offline_runs(tmp_path, monkeypatch):
+    """The first load from the Hub writes its rows to $VINEPPO_CACHE/data; later loads read them with no network."""
+    import data
+    monkeypatch.delenv("VINEPPO_DATA_DIR", raising=False)
+    monkeypatch.setenv("VINEPPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(data, "hub_reachable", lambda: True)
+    monkeypatch.setattr(data, "hub_rows", lambda dataset, split: [dict(r, extra="dropped") for r in MATH_ROWS])
+    first = load_split("math", "test")
+    assert [e["answer"] for e in first] == ["2", "\\frac{1}{2}"]
+    assert json.loads((tmp_path / "data" / "math" / "test.jsonl").read_text().splitlines()[0]) == MATH_ROWS[0]
+    monkeypatch.setattr(data, "hub_reachable", lambda: pytest.fail("the cache needs no network"))
+    assert load_split("math", "test") == first
+
+
+def test_unreachable_hub_fails_at_once(tmp_path, monkeypatch):
+    """A host that refuses the connection: one quick check, no retry storm, a one-line error naming --data-dir."""
+    import time
+    monkeypatch.delenv("VINEPPO_DATA_DIR", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("VINEPPO_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1")  # nothing listens on 443 here
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as e:
+        load_split("gsm8k", "train")
+    assert time.perf_counter() - started < 5
+    assert str(e.value).startswith("error: gsm8k/train: the Hugging Face Hub is unreachable") and "--data-dir" in str(
+        e.value) and "\n" not in str(e.value)
+
+
 def test_empty_split_is_a_one_line_error(tmp_path):
     write_jsonl(tmp_path / "gsm8k" / "train.jsonl", ["", "  "])
     with pytest.raises(SystemExit, match="train.jsonl: no rows"):

@@ -50,11 +50,21 @@ def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     out = tmp_path / "OUT"
-    proc = run_train(["--iterations", "1", "--eval-every", "1"], data_dir, out)
+    proc = run_train(["--iterations", "1", "--eval-every", "1", "--track", "tensorboard"], data_dir, out)
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log
+    assert "iteration 1/1 (100.0%) elapsed" in log and "s/it, ETA 0s" in log  # the progress line
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1] and "eval_accuracy" in records[0]
+    assert records[0]["seconds_eval"] > 0 and records[0]["mem_gb_eval"] > 0.3  # the first evaluation is measured
+    assert records[1]["mem_gb"] == max(records[1][f"mem_gb_{k}"] for k in ("rollout", "values", "ppo", "sync", "eval"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    assert [e.step for e in events.Scalars("eval_accuracy")] == [0, 1]
+    assert [e.value for e in events.Scalars("eval_accuracy")] == pytest.approx([r["eval_accuracy"] for r in records])
+    assert [e.value for e in events.Scalars("kl_ref")] == pytest.approx([records[1]["kl_ref"]])
+    texts = {tag: events.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in events.Tags()["tensors"]}
+    assert "--k 2" in texts["config/text_summary"] and "[A " in texts["responses/0/text_summary"]
     first = records[1]
     for key in ("reward_mean", "value_mean", "advantage_std", "approx_kl", "clipfrac", "entropy", "kl_ref",
                 "value_states", "vines", "vine_tokens", "tokens_per_s", "seconds_rollout", "seconds_values",
@@ -75,6 +85,18 @@ def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[2]  # eval after the last
     assert (out / "latest").read_text() == "ckpt-000002" and not (out / "ckpt-000001").exists()
+
+
+def test_a_failed_start_writes_nothing(tmp_path):
+    """No data (offline, no folder): a one-line error, and the out-dir is not created."""
+    out = tmp_path / "runs" / "OUT"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VINEPPO_CACHE": str(tmp_path / "cache")}
+    env.pop("VINEPPO_DATA_DIR", None)
+    proc = subprocess.run([sys.executable, "train.py", "--dataset", "gsm8k", "--out-dir", str(out)], cwd=REPO,
+                          env=env, text=True, capture_output=True, timeout=120)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: gsm8k/train: the Hugging "
+                                                                                    "Face Hub is unreachable")
+    assert "Traceback" not in proc.stderr and not out.exists() and not out.parent.exists()
 
 
 def test_ctrl_c_saves_a_checkpoint(tmp_path, data_dir, smol_path):
