@@ -55,7 +55,7 @@ class Config:
     weight_decay: float = arg(0.0, "AdamW weight decay")
     epochs: int = arg(2, "PPO epochs per iteration")
     minibatch_size: int | None = arg(None, "episodes per optimizer step (paper: 64; CPU default: 8)")
-    micro_batch_size: int | None = arg(None, "episodes per forward/backward (gradient accumulation; CPU default: 4)")
+    micro_batch_size: int | None = arg(None, "episodes per forward/backward (gradient accumulation; CPU default: 2)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     vf_coef: float = arg(0.1, "critic: weight of the value loss")
     value_clip: float = arg(0.2, "critic: value clipping range")
@@ -104,7 +104,7 @@ def parse_config(argv=None) -> Config:
     # Derived values: paper sizes on a GPU, CPU sizes otherwise.
     gpu = pick_device(cfg.device).type == "cuda"
     for name, paper, cpu in (("prompts_per_iter", 64, 4), ("samples_per_prompt", 8, 4), ("max_new_tokens", 1024, 192),
-                             ("minibatch_size", 64, 8), ("micro_batch_size", 8, 4), ("eval_samples", 16, 4)):
+                             ("minibatch_size", 64, 8), ("micro_batch_size", 8, 2), ("eval_samples", 16, 4)):
         if getattr(cfg, name) is None:
             setattr(cfg, name, paper if gpu else cpu)
     if cfg.iterations is None:

