@@ -1,10 +1,12 @@
 """Curves from one or more runs' metrics.jsonl: train reward, test accuracy, KL to the reference and tokens/s,
-against iteration (top row) and against training wall-clock (bottom row).
+against iteration (top row) and against training wall-clock (bottom row). And, for a grid of estimators x seeds
+(replicate.py), pass@1 against training wall-clock as mean +- standard error over seeds, with a summary table.
 
     python plot.py runs/arith-vine-k9-s0/metrics.jsonl runs/arith-grpo-k9-s0/metrics.jsonl --out curves.png
 """
 import argparse
 import json
+import math
 from pathlib import Path
 
 PANELS = (("reward_mean", "train reward"), ("eval_accuracy", "test pass@1"), ("kl_ref", "KL to reference"),
@@ -47,6 +49,91 @@ def plot_runs(paths: list[str], out: str, labels: list[str] | None = None):
         for row in range(2):
             axes[row][col].grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def eval_curve(records: list[dict]) -> list[tuple[float, float]]:
+    """(training minutes, pass@1) of every evaluation of a run, in order."""
+    return [(r.get("train_seconds", 0.0) / 60, r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+
+
+def held(curve: list[tuple[float, float]], t: float) -> float:
+    """pass@1 at minute t: that of the last evaluation at or before t (the policy measured then)."""
+    return [a for m, a in curve if m <= t + 1e-9][-1] if curve and curve[0][0] <= t + 1e-9 else curve[0][1]
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample standard deviation / sqrt(n); 0 for one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0)
+
+
+def area(curve: list[tuple[float, float]], *, minutes: float) -> float:
+    """Mean pass@1 over [0, minutes] of the held curve: the area under pass@1-vs-time divided by the time."""
+    edges = [m for m, _ in curve if m < minutes] + [minutes]
+    return sum(held(curve, a) * (b - a) for a, b in zip(edges, edges[1:])) / minutes
+
+
+def time_to(curve: list[tuple[float, float]], threshold: float) -> float | None:
+    """Training minutes of the first evaluation at or above `threshold`, or None if none was."""
+    return next((m for m, a in curve if a >= threshold), None)
+
+
+def summarize_grid(runs: dict[str, list[list[dict]]], *, budget: float, threshold: float) -> dict[str, dict]:
+    """Per estimator, over its seeds' metrics: final pass@1 (mean, SE), best, mean pass@1 over the budget (area),
+    minutes to reach `threshold` (mean over the seeds that did; how many did), KL to the reference at the end, seconds
+    per iteration, and seeds that collapsed (ended below half their starting pass@1)."""
+    out = {}
+    for name, seeds in runs.items():
+        curves = [eval_curve(records) for records in seeds]
+        last = [[r for r in records if "kl_ref" in r][-1] for records in seeds]
+        reached = [t for t in (time_to(c, threshold) for c in curves) if t is not None]
+        final = mean_se([c[-1][1] for c in curves])
+        out[name] = {"seeds": len(seeds), "final": final[0], "final_se": final[1],
+                     "best": mean_se([max(a for _, a in c) for c in curves])[0],
+                     "area": mean_se([area(c, minutes=budget / 60) for c in curves])[0],
+                     "area_se": mean_se([area(c, minutes=budget / 60) for c in curves])[1],
+                     "minutes_to_threshold": sum(reached) / len(reached) if reached else None, "reached": len(reached),
+                     "kl_ref": mean_se([r["kl_ref"] for r in last])[0],
+                     "seconds_per_iteration": mean_se([r["train_seconds"] / r["iteration"] for r in last])[0],
+                     "collapsed": sum(c[-1][1] < c[0][1] / 2 for c in curves)}
+    return out
+
+
+def summary_markdown(summary: dict[str, dict], *, threshold: float) -> str:
+    lines = [f"| estimator | seeds | final pass@1 (mean ± SE) | best (mean) | mean pass@1 over time (± SE) | minutes to "
+             f"{threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in summary.items():
+        reach = f"{s['minutes_to_threshold']:.1f} ({s['reached']}/{s['seeds']})" if s["reached"] else f"never (0/{s['seeds']})"
+        lines.append(f"| {name} | {s['seeds']} | {s['final']:.3f} ± {s['final_se']:.3f} | {s['best']:.3f} | "
+                     f"{s['area']:.3f} ± {s['area_se']:.3f} | {reach} | {s['kl_ref']:.2e} | "
+                     f"{s['seconds_per_iteration']:.0f} | {s['collapsed']} |")
+    return "\n".join(lines)
+
+
+def plot_bands(runs: dict[str, list[list[dict]]], out: str, *, budget: float):
+    """pass@1 against training minutes: per estimator the mean over seeds of the held curves, +- one standard error."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    grid = [budget / 60 * i / 200 for i in range(201)]
+    for name, seeds in runs.items():
+        curves = [eval_curve(records) for records in seeds]
+        stats = [mean_se([held(c, t) for c in curves]) for t in grid]
+        mean = [m for m, _ in stats]
+        line, = ax.plot(grid, mean, label=f"{name} ({len(curves)} seeds)")
+        ax.fill_between(grid, [m - e for m, e in stats], [m + e for m, e in stats], alpha=0.2, color=line.get_color())
+    ax.set_xlabel("training wall-clock (min)")
+    ax.set_ylabel("test pass@1 (mean ± SE over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

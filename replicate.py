@@ -1,11 +1,13 @@
-"""One-command laptop replication: VinePPO, PPO with a critic, and GRPO on `arith`, same seeds, same wall-clock.
+"""One-command laptop replication on `arith`: estimators x seeds, identical settings, the same training wall-clock.
 
-    python replicate.py --budget 1200 --seeds 0 --out results/arith
+    python replicate.py --budget 1200 --seeds 0,1,2 --out results/replication
 
-Runs train.py once per (estimator, seed) with identical settings but --estimator, each stopped after --budget
-seconds of training (evaluation excluded), then writes into --out: curves.png (plot.py), results.md and
-results.json (the table: pass@1 before and after, best, iterations, minutes), and with --extras the value-error
-diagnostic on the critic run (diagnose.py) and the credit-assignment picture of the VinePPO run (visualize.py).
+Runs train.py once per (estimator, seed) with identical settings but the estimator's own flags (ESTIMATORS), each
+stopped after --budget seconds of training (evaluation excluded). Restartable run by run: a run whose final metrics
+exist is skipped, one that was cut off resumes from its last checkpoint (every --eval-every iterations), so the grid
+can be spread over several sittings. Then writes into --out: curves.png (plot.py), results.md and results.json (one
+row per run, and the summary over seeds from plot.summarize), and with --extras the value-error diagnostic on a
+critic run (diagnose.py) and the credit-assignment picture of a VinePPO run (visualize.py).
 """
 import argparse
 import json
@@ -18,22 +20,40 @@ from pathlib import Path
 
 import torch
 
-from plot import plot_runs, read_metrics
+from plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
 
-ESTIMATORS = ("vine", "critic", "grpo")
+ESTIMATORS = {"vine": ["--estimator", "vine"],  # K = 9
+              "vine-adaptive": ["--estimator", "vine", "--k-mode", "adaptive", "--k-ci", "0.45"],  # README: Adaptive K
+              "critic": ["--estimator", "critic"], "grpo": ["--estimator", "grpo"], "rloo": ["--estimator", "rloo"]}
 SETTINGS = ["--dataset", "arith", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "96",
             "--lr", "2e-5", "--no-lr-decay", "--value-lr", "1e-4", "--minibatch-size", "8", "--micro-batch-size", "8",
-            "--eval-size", "100", "--eval-samples", "4", "--eval-every", "4", "--save-every", "1000",
+            "--eval-size", "200", "--eval-samples", "4", "--eval-every", "4", "--save-every", "4",
             "--iterations", "60", "--sampler", "hf"]  # 60 iterations: the budget ends every run first; 3% warmup
 
 
-def run(estimator: str, seed: int, *, budget: float, out: Path, extra: list[str]) -> Path:
-    run_dir = out / f"{estimator}-s{seed}"
-    cmd = [sys.executable, "train.py", *SETTINGS, "--estimator", estimator, "--seed", str(seed),
-           "--time-budget", str(budget), "--out-dir", str(run_dir), *extra]
+def run_state(run_dir: Path, *, budget: float) -> str:
+    """"done": the run's last metrics line is a final evaluation at or past the budget (or the last iteration);
+    "resume": a checkpoint exists but the run was cut off; "fresh": nothing usable (start over, --overwrite)."""
+    if not (run_dir / "latest").exists():
+        return "fresh"
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    last = records[-1] if records else {}
+    iterations = int(SETTINGS[SETTINGS.index("--iterations") + 1])
+    finished = last.get("train_seconds", 0) >= budget or last.get("iteration") == iterations
+    return "done" if finished and "eval_accuracy" in last else "resume"
+
+
+def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str]) -> Path:
+    run_dir = out / f"{name}-s{seed}"
+    state = run_state(run_dir, budget=budget)
+    if state == "done":
+        print(f"{run_dir}: finished earlier, skipped", flush=True)
+        return run_dir
+    cmd = [sys.executable, "train.py", *SETTINGS, *ESTIMATORS[name], "--seed", str(seed), "--time-budget", str(budget),
+           "--out-dir", str(run_dir), "--resume" if state == "resume" else "--overwrite", *extra]
     print("$", " ".join(cmd), flush=True)
     if subprocess.run(cmd, cwd=Path(__file__).parent).returncode != 0:
-        raise SystemExit(f"error: the {estimator} run (seed {seed}) failed; see its output above")
+        raise SystemExit(f"error: the {name} run (seed {seed}) failed; see its output above")
     return run_dir
 
 
@@ -61,12 +81,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=1200, help="training seconds per run")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds")
-    parser.add_argument("--estimators", default=",".join(ESTIMATORS))
-    parser.add_argument("--out", default="results/arith")
+    parser.add_argument("--estimators", default=",".join(ESTIMATORS), help=f"comma-separated, of {list(ESTIMATORS)}")
+    parser.add_argument("--out", default="results/replication")
+    parser.add_argument("--threshold", type=float, default=0.35, help="pass@1 whose time to reach is reported")
     parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True,
                         help="also run diagnose.py on the critic run and visualize.py on the vine run")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     out = Path(args.out)
+    unknown = [e for e in args.estimators.split(",") if e not in ESTIMATORS]
+    if unknown:
+        raise SystemExit(f"error: --estimators: unknown {unknown} (choose from {list(ESTIMATORS)})")
     out.mkdir(parents=True, exist_ok=True)
     started, rows, dirs = time.time(), [], []
     for seed in [int(s) for s in args.seeds.split(",")]:
@@ -74,16 +98,23 @@ def main():
             run_dir = run(estimator, seed, budget=args.budget, out=out, extra=extra)
             dirs.append(run_dir)
             rows.append(summarize(run_dir, estimator, seed))
-    plot_runs([str(d / "metrics.jsonl") for d in dirs], str(out / "curves.png"), [d.name for d in dirs])
+    runs = {d.name.rsplit("-s", 1)[0]: [] for d in dirs}
+    for d in dirs:
+        runs[d.name.rsplit("-s", 1)[0]].append(read_metrics(d / "metrics.jsonl"))
+    summary = summarize_grid(runs, budget=args.budget, threshold=args.threshold)
+    plot_bands(runs, str(out / "curves.png"), budget=args.budget)
+    plot_runs([str(d / "metrics.jsonl") for d in dirs], str(out / "runs.png"), [d.name for d in dirs])
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                platform.processor() or platform.machine())
     machine = f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads"
     text = (f"Budget {args.budget:.0f} s of training per run; settings: `{' '.join(SETTINGS + extra)}`.\n"
-            f"Machine: {machine}. Total wall time {(time.time() - started) / 60:.0f} min.\n\n{table(rows)}\n")
+            f"Machine: {machine}. Wall time of this invocation {(time.time() - started) / 60:.0f} min; training "
+            f"compute of the grid {sum(r['train_minutes'] for r in rows):.0f} min.\n\n"
+            f"{summary_markdown(summary, threshold=args.threshold)}\n\nPer run:\n\n{table(rows)}\n")
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"budget": args.budget, "settings": SETTINGS + extra, "runs": rows},
-                                                 indent=1))
+    (out / "results.json").write_text(json.dumps({"budget": args.budget, "settings": SETTINGS + extra, "runs": rows,
+                                                  "summary": summary}, indent=1))
     print(text)
     if args.extras:
         for estimator, script, flag, name in (("critic", "diagnose.py", "--checkpoint", "diagnostics"),

@@ -64,3 +64,47 @@ def test_rules_are_simulated_on_one_pool_in_order():
     row = rule_summary([[1.0, 0.0], [1.0], [0.0], [0.0, 0.0]], truth=[0.5, 1.0, 0.25, 0.0])
     assert row["mae"] == pytest.approx(0.25 / 4) and row["bias"] == pytest.approx(-0.25 / 4)
     assert row["advantage_mae"] == pytest.approx(0.25 / 2) and row["vines_per_state"] == 1.5
+
+
+def grid_run(evals: list[tuple[float, float]], kl: float = 1e-3) -> list[dict]:
+    """A run's metrics: an evaluation at each (training minute, pass@1), one iteration a minute."""
+    records = []
+    for i, (minute, accuracy) in enumerate(evals):
+        record = {"iteration": i, "train_seconds": 60.0 * minute, "eval_accuracy": accuracy}
+        if i:
+            record["kl_ref"] = kl
+        records.append(record)
+    return records
+
+
+def test_grid_statistics_by_hand():
+    from plot import area, held, mean_se, summarize_grid, summary_markdown, time_to
+    curve = [(0.0, 0.2), (4.0, 0.4), (8.0, 0.1)]
+    assert [held(curve, t) for t in (0, 3.9, 4, 7, 8, 20)] == [0.2, 0.2, 0.4, 0.4, 0.1, 0.1]
+    assert area(curve, minutes=10) == pytest.approx((0.2 * 4 + 0.4 * 4 + 0.1 * 2) / 10)
+    assert time_to(curve, 0.35) == 4.0 and time_to(curve, 0.5) is None
+    assert mean_se([0.2, 0.4]) == pytest.approx((0.3, 0.1)) and mean_se([0.5]) == (0.5, 0.0)
+    runs = {"vine": [grid_run([(0, 0.2), (5, 0.4), (10, 0.5)]), grid_run([(0, 0.2), (6, 0.3), (10, 0.3)])],
+            "grpo": [grid_run([(0, 0.2), (5, 0.05), (10, 0.05)], kl=0.5)]}
+    summary = summarize_grid(runs, budget=600, threshold=0.35)
+    vine, grpo = summary["vine"], summary["grpo"]
+    assert (vine["seeds"], vine["final"], vine["final_se"]) == (2, pytest.approx(0.4), pytest.approx(0.1))
+    assert vine["best"] == pytest.approx(0.4) and (vine["minutes_to_threshold"], vine["reached"]) == (5.0, 1)
+    assert vine["area"] == pytest.approx(((0.2 * 5 + 0.4 * 5) + (0.2 * 6 + 0.3 * 4)) / 20)
+    assert vine["seconds_per_iteration"] == pytest.approx(300) and vine["collapsed"] == 0
+    assert (grpo["collapsed"], grpo["reached"], grpo["kl_ref"]) == (1, 0, 0.5)
+    table = summary_markdown(summary, threshold=0.35)
+    assert "| vine | 2 | 0.400 ± 0.100 |" in table and "never (0/1)" in table
+
+
+def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
+    from replicate import run_state
+    run_dir = tmp_path / "vine-s0"
+    assert run_state(run_dir, budget=600) == "fresh"  # nothing there
+    run_dir.mkdir()
+    (run_dir / "latest").write_text("ckpt-000004")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in grid_run([(0, 0.2), (4, 0.3)])))
+    assert run_state(run_dir, budget=600) == "resume"  # 240 s of 600: cut off
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"iteration": 11, "train_seconds": 610.0, "kl_ref": 1e-3, "eval_accuracy": 0.4}) + "\n")
+    assert run_state(run_dir, budget=600) == "done"
