@@ -71,3 +71,28 @@ def test_response_logprobs_matches_direct_computation(smol):
             direct_entropy = torch.distributions.Categorical(logits=logits).entropy()
             torch.testing.assert_close(logprobs[i, :len(r)], direct, atol=2e-4, rtol=1e-4)
             torch.testing.assert_close(entropy[i, :len(r)], direct_entropy, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_output_layer_gives_the_same_logprobs_and_gradients(monkeypatch, dtype):
+    """The output layer in chunks of positions, recomputed in backward (checkpoint), against all positions at once:
+    the same log-probs and entropies, the same gradients up to summation order."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2))
+    ids = torch.randint(0, 300, (3, 20))
+
+    def run(chunk_tokens):
+        monkeypatch.setattr(model_mod, "LOGIT_CHUNK_TOKENS", chunk_tokens)
+        tiny.zero_grad()
+        logprobs, entropy, _ = response_logprobs(tiny, input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                 response_start=5, temperature=0.6, with_entropy=True, dtype=dtype)
+        (logprobs * torch.arange(15.0)).sum().backward()  # a different weight per position: chunks must line up
+        return logprobs.detach(), entropy, [p.grad.clone() for p in tiny.parameters()]
+
+    whole, chunked = run(10**6), run(4)  # 4 tokens = 1 position x 3 rows per chunk: 15 chunks
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    for a, b in zip(whole[2], chunked[2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+    assert max(g.abs().max() for g in whole[2]) > 1  # gradients that are not all ~0
