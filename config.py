@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model import DEFAULT_MODEL, pick_device
-from monitor import tracker_missing
+from monitor import TRACKERS, tracker_missing
 
 
 def arg(default, help, **kwargs):
@@ -83,7 +83,7 @@ class Config:
                               "pi_sampler, C); 0: off")
     track: str = arg("none", "also log the metrics (and a few responses with their step advantages) to tensorboard "
                              "(<out-dir>/tb) or wandb (WANDB_MODE=offline works without a network)",
-                     choices=["none", "tensorboard", "wandb"])
+                     choices=TRACKERS)
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
     fsdp: bool = arg(False, "under torchrun: shard weights, gradients and AdamW's state over ranks with FSDP2 "
                             "(off: DDP, every rank holds them all)")

@@ -99,9 +99,8 @@ def progress(*, done: int, total: int, first: int, elapsed: float, budget_left: 
 
 def tracker_missing(kind: str) -> str | None:
     """Why --track `kind` cannot run here, or None (checked at parse time, before anything is written)."""
-    package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(kind)
-    if package and importlib.util.find_spec(package) is None:
-        return f"--track {kind} needs the `{package}` package (pip install {package})"
+    if kind != "none" and importlib.util.find_spec(kind) is None:  # the package is named like the tracker
+        return f"--track {kind} needs the `{kind}` package (pip install {kind})"
     return None
 
 

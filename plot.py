@@ -63,7 +63,7 @@ def eval_curve(records: list[dict]) -> list[tuple[float, float]]:
 
 def held(curve: list[tuple[float, float]], t: float) -> float:
     """pass@1 at minute t: that of the last evaluation at or before t (the policy measured then)."""
-    return [a for m, a in curve if m <= t + 1e-9][-1] if curve and curve[0][0] <= t + 1e-9 else curve[0][1]
+    return next((a for m, a in reversed(curve) if m <= t + 1e-9), curve[0][1])
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -94,10 +94,10 @@ def summarize_grid(runs: dict[str, list[list[dict]]], *, budget: float, threshol
         last = [[r for r in records if "kl_ref" in r][-1] for records in seeds]
         reached = [t for t in (time_to(c, threshold) for c in curves) if t is not None]
         final = mean_se([c[-1][1] for c in curves])
+        areas = mean_se([area(c, minutes=budget / 60) for c in curves])
         out[name] = {"seeds": len(seeds), "final": final[0], "final_se": final[1],
                      "best": mean_se([max(a for _, a in c) for c in curves])[0],
-                     "area": mean_se([area(c, minutes=budget / 60) for c in curves])[0],
-                     "area_se": mean_se([area(c, minutes=budget / 60) for c in curves])[1],
+                     "area": areas[0], "area_se": areas[1],
                      "minutes_to_threshold": sum(reached) / len(reached) if reached else None, "reached": len(reached),
                      "kl_ref": mean_se([r["kl_ref"] for r in last])[0],
                      "seconds_per_iteration": mean_se([r["train_seconds"] / r["iteration"] for r in last])[0],
