@@ -65,6 +65,8 @@ class Config:
                                             "no cap math; 0 = no cap)")
     step_split: str = arg("auto", "auto: the dataset's text rule; tokens:N: a step every N tokens")
     eval_every: int = arg(10, "evaluate every this many iterations (and before the first, and after the last)")
+    eval_every_seconds: float = arg(0.0, "also evaluate, and checkpoint, each time training passes a multiple of "
+                                         "this many seconds (evaluation excluded); 0: off")
     eval_size: int | None = arg(None, "test problems per evaluation (default: all on GPU; CPU default: 32)")
     eval_samples: int | None = arg(None, "samples per test problem, pass@1 = mean correctness (paper: 16; CPU: 4)")
     eval_temperature: float = arg(0.35, "sampling temperature for evaluation")
@@ -128,6 +130,8 @@ def parse_config(argv=None) -> Config:
     if cfg.minibatch_size % (world * cfg.micro_batch_size):
         parser.error(f"--minibatch-size ({cfg.minibatch_size}) must be a multiple of --micro-batch-size "
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
+    if not cfg.eval_every_seconds >= 0:
+        parser.error(f"--eval-every-seconds must be 0 (off) or above (got {cfg.eval_every_seconds})")
     if not cfg.k_ci > 0:
         parser.error(f"--k-ci must be above 0 (got {cfg.k_ci})")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:

@@ -35,6 +35,12 @@ def lr_factor(step: int, *, warmup: int, total: int, decay: bool = True) -> floa
     return max(0.0, (total - step) / max(1, total - warmup)) if decay else 1.0
 
 
+def mark_crossed(before: float, after: float, *, every: float) -> bool:
+    """Whether the clock passed a multiple of `every` seconds between `before` (excluded) and `after` (included);
+    never when `every` is 0. Stateless, so a resumed run keeps the cadence from its restored clock."""
+    return every > 0 and math.floor(after / every) > math.floor(before / every)
+
+
 def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int) -> float:
     """pass@1: mean correctness of eval_samples samples per test problem at the eval temperature (under torchrun each
     rank takes every world-th problem, and the mean is over all)."""
@@ -216,8 +222,9 @@ def main(cfg: Config):
 
             # 8. Eval, log, checkpoint: the metrics line is on disk before the checkpoint that covers it
             done = it + 1
-            train_seconds += time.perf_counter() - t0
+            seconds_before, train_seconds = train_seconds, train_seconds + time.perf_counter() - t0
             out_of_time = dist.broadcast(cfg.time_budget > 0 and train_seconds >= cfg.time_budget)  # rank 0's clock
+            on_the_clock = dist.broadcast(mark_crossed(seconds_before, train_seconds, every=cfg.eval_every_seconds))
             record = {"iteration": done, "train_seconds": train_seconds, "reward_mean": dist.mean(rewards),
                       "response_length": dist.mean(list(map(len, responses))),
                       "finished_frac": dist.mean([float(s.finished) for s in samples]),
@@ -226,7 +233,7 @@ def main(cfg: Config):
             response_tokens = dist.all_sum(torch.tensor([sum(map(len, responses))]))[0].item()  # all ranks'
             generated = response_tokens + value_stats.get("vine_tokens", 0)
             record["tokens_per_s"] = generated / (meter.seconds["rollout"] + meter.seconds["values"])
-            evaluating = done % cfg.eval_every == 0 or done == cfg.iterations or out_of_time
+            evaluating = done % cfg.eval_every == 0 or done == cfg.iterations or out_of_time or on_the_clock
             if evaluating:
                 meter.start()
                 record["eval_accuracy"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
@@ -246,7 +253,7 @@ def main(cfg: Config):
             pause_point("metrics", done)
             completed, python_rng, torch_rng = done, rng.getstate(), torch.get_rng_state()
             stopping = dist.all_sum(torch.tensor([float(stop.requested is not None)]))[0] > 0  # any rank signalled
-            if done % cfg.save_every == 0 or done == cfg.iterations or out_of_time or stopping:
+            if done % cfg.save_every == 0 or done == cfg.iterations or out_of_time or on_the_clock or stopping:
                 checkpoint(iteration=done, python_rng=python_rng, torch_rng=torch_rng, train_seconds=train_seconds)
             if not dist.active():
                 stop.release()

@@ -108,3 +108,6 @@ def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"iteration": 11, "train_seconds": 610.0, "kl_ref": 1e-3, "eval_accuracy": 0.4}) + "\n")
     assert run_state(run_dir, budget=600) == "done"
+    (run_dir / "latest").unlink()  # a clean checkout: the committed metrics, no checkpoint
+    assert run_state(run_dir, budget=600) == "done"
+    assert run_state(run_dir, budget=900) == "fresh"  # cut off with nothing to resume from

@@ -10,7 +10,7 @@ import torch
 
 from conftest import REPO
 from config import Config, parse_config
-from train import lr_factor
+from train import lr_factor, mark_crossed
 
 
 def test_config_defaults_and_derived_values():
@@ -25,7 +25,8 @@ def test_config_defaults_and_derived_values():
 
 @pytest.mark.parametrize("argv", [["--k", "0"], ["--step-split", "lines"], ["--dataset", "svamp"], ["--iterations", "x"],
                                   ["--tis-cap", "0.5"], ["--dtype", "float16"], ["--k-ci", "0"],
-                                  ["--k-mode", "sometimes"], ["--k-round", "0"], ["--k-max", "0"]])
+                                  ["--eval-every-seconds", "-1"], ["--k-mode", "sometimes"], ["--k-round", "0"],
+                                  ["--k-max", "0"]])
 def test_bad_flags_are_one_line_errors(argv, capsys):
     with pytest.raises(SystemExit):
         parse_config(argv)
@@ -36,6 +37,12 @@ def test_bad_flags_are_one_line_errors(argv, capsys):
 def test_lr_schedule():
     assert [round(lr_factor(s, warmup=2, total=6), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
     assert [lr_factor(s, warmup=2, total=6, decay=False) for s in range(7)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_evaluation_on_the_clock():
+    assert [mark_crossed(a, b, every=120) for a, b in ((0, 119.9), (100, 120), (119, 250), (120, 121), (359, 361))] == \
+        [False, True, True, False, True]
+    assert not mark_crossed(0, 1e9, every=0)  # off
 
 
 def run_train(args, data_dir, out_dir, **kwargs):
@@ -79,12 +86,15 @@ def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
     steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
     assert state["iteration"] == 1 and steps == {first["optimizer_steps"]}  # the optimizer really stepped
 
-    proc = run_train(["--iterations", "2", "--eval-every", "5", "--resume"], data_dir, out)
+    # resumed with an evaluation every millisecond of training: iteration 2 is evaluated on the clock alone
+    proc = run_train(["--iterations", "3", "--eval-every", "5", "--eval-every-seconds", "0.001", "--resume"], data_dir,
+                     out)
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0 and "resumed from" in log, log
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[2]  # eval after the last
-    assert (out / "latest").read_text() == "ckpt-000002" and not (out / "ckpt-000001").exists()
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3]
+    assert "eval_accuracy" in records[2] and "eval_accuracy" in records[3]  # on the clock; after the last
+    assert (out / "latest").read_text() == "ckpt-000003" and not (out / "ckpt-000001").exists()
 
 
 def test_a_failed_start_writes_nothing(tmp_path):
