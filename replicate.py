@@ -7,7 +7,8 @@ stopped after --budget seconds of training (evaluation excluded). Restartable ru
 exist is skipped, one that was cut off resumes from its last checkpoint (every --eval-every iterations), so the grid
 can be spread over several sittings. Then writes into --out: curves.png (plot.py), results.md and results.json (one
 row per run, and the summary over seeds from plot.summarize_grid), and with --extras the value-error diagnostic on a
-critic run (diagnose.py) and the credit-assignment picture of a VinePPO run (visualize.py).
+critic run (diagnose.py, with the adaptive-K rule of `vine-adaptive`) and the credit-assignment picture of a VinePPO
+run (visualize.py), each on the first run of its estimator that still has its checkpoint here.
 """
 import argparse
 import json
@@ -118,14 +119,25 @@ def main():
                                                   "summary": summary}, indent=1))
     print(text)
     if args.extras:
-        for estimator, script, flag, name in (("critic", "diagnose.py", "--checkpoint", "diagnostics"),
-                                              ("vine", "visualize.py", "--model", "credit")):
-            run_dir = next((d for d in dirs if d.name.startswith(estimator)), None)
-            if run_dir is not None:
-                ckpt = run_dir / (run_dir / "latest").read_text().strip()
-                subprocess.run([sys.executable, script, flag, str(ckpt), "--out", str(out / name)],
-                               cwd=Path(__file__).parent, check=True)
+        adaptive = ESTIMATORS["vine-adaptive"]
+        for estimator, script, args_ in (
+                ("critic", "diagnose.py", ["--rules", f"adaptive:{adaptive[adaptive.index('--k-ci') + 1]}",
+                                           "--out", str(out / "diagnostics")]),  # the grid's adaptive-K point
+                ("vine", "visualize.py", ["--out", str(out / "credit")])):
+            ckpt = latest_checkpoint([d for d in dirs if d.name.rsplit("-s", 1)[0] == estimator])
+            if ckpt is None:  # checkpoints are not committed: a clean checkout only has the metrics
+                print(f"--extras: no {estimator} run with a checkpoint here; {script} skipped", flush=True)
+                continue
+            flag = "--checkpoint" if script == "diagnose.py" else "--model"
+            subprocess.run([sys.executable, script, flag, str(ckpt), *args_], cwd=Path(__file__).parent, check=True)
 
+
+def latest_checkpoint(run_dirs: list[Path]) -> Path | None:
+    """The final checkpoint of the first of run_dirs that still has one (its `latest` file names it), else None."""
+    for run_dir in run_dirs:
+        if (run_dir / "latest").exists():
+            return run_dir / (run_dir / "latest").read_text().strip()
+    return None
 
 if __name__ == "__main__":
     main()

@@ -111,3 +111,14 @@ def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
     (run_dir / "latest").unlink()  # a clean checkout: the committed metrics, no checkpoint
     assert run_state(run_dir, budget=600) == "done"
     assert run_state(run_dir, budget=900) == "fresh"  # cut off with nothing to resume from
+
+
+def test_replicate_extras_use_a_run_that_still_has_its_checkpoint(tmp_path):
+    from replicate import latest_checkpoint
+    runs = [tmp_path / f"critic-s{seed}" for seed in range(3)]
+    for run_dir in runs:
+        run_dir.mkdir()
+    assert latest_checkpoint(runs) is None  # a clean checkout: metrics only
+    (runs[2] / "latest").write_text("ckpt-000061\n")
+    (runs[1] / "latest").write_text("ckpt-000040")
+    assert latest_checkpoint(runs) == runs[1] / "ckpt-000040"
