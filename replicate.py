@@ -4,11 +4,14 @@
 
 Runs train.py once per (estimator, seed) with identical settings but the estimator's own flags (ESTIMATORS), each
 stopped after --budget seconds of training (evaluation excluded). Restartable run by run: a run whose final metrics
-exist is skipped, one that was cut off resumes from its last checkpoint (every --eval-every iterations), so the grid
-can be spread over several sittings. Then writes into --out: curves.png (plot.py), results.md and results.json (one
-row per run, and the summary over seeds from plot.summarize_grid), and with --extras the value-error diagnostic on a
-critic run (diagnose.py, with the adaptive-K rule of `vine-adaptive`) and the credit-assignment picture of a VinePPO
-run (visualize.py), each on the first run of its estimator that still has its checkpoint here.
+exist is skipped, one that was cut off resumes from its last checkpoint (written with each evaluation), so the grid
+can be spread over several sittings. Each seed is a block run on one machine (recorded in each run's machine.json):
+a budget of wall-clock buys different work on another CPU or dtype, so a seed begun on one machine is not continued
+on another (start a new seed there), and estimators are compared within a block. Then writes into --out: curves.png
+(plot.py), results.md and results.json (one row per run, and the summary over seeds from plot.summarize_grid), and
+with --extras the value-error diagnostic on a critic run (diagnose.py, with the adaptive-K rule of `vine-adaptive`)
+and the credit-assignment picture of a VinePPO run (visualize.py), each on the first run of its estimator that still
+has its checkpoint here.
 """
 import argparse
 import json
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from model import pick_dtype
 from plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
 
 ESTIMATORS = {"vine": ["--estimator", "vine"],  # K = 9
@@ -47,15 +51,48 @@ def run_state(run_dir: Path, *, budget: float) -> str:
     return "resume" if (run_dir / "latest").exists() else "fresh"
 
 
-def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str]) -> Path:
+def this_machine() -> dict:
+    """What a second of training buys: the CPU, its cores and torch's threads, its native bf16 units and the compute
+    dtype that --dtype auto picks from them."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+               platform.processor() or platform.machine())
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+            "bf16_units": [f for f in ("avx512_bf16", "amx_bf16", "bf16") if caps.get(f, False)],
+            "dtype": str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."), "torch": torch.__version__}
+
+
+def describe(machine: dict | None) -> str:
+    if machine is None:
+        return "machine not recorded"
+    units = "+".join(machine["bf16_units"]) or "no bf16 units"
+    return f"{machine['cpu']} ({units}), {machine['cpus']} CPUs, {machine['threads']} threads, {machine['dtype']}"
+
+
+def seed_machine(out: Path, seed: int) -> dict | None:
+    """The machine a seed's block of runs is on: the one recorded by its first run (machine.json), else None."""
+    recorded = sorted(out.glob(f"*-s{seed}/machine.json"))
+    return json.loads(recorded[0].read_text()) if recorded else None
+
+
+def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str], machine: dict) -> Path | None:
+    """Runs (or resumes) one cell of the grid; None when the cell belongs to a block on another machine."""
     run_dir = out / f"{name}-s{seed}"
     state = run_state(run_dir, budget=budget)
     if state == "done":
         print(f"{run_dir}: finished earlier, skipped", flush=True)
         return run_dir
+    block = seed_machine(out, seed)
+    if block is not None and block != machine:  # a wall-clock budget buys different work on another machine
+        print(f"{run_dir}: not run here: seed {seed}'s runs are on {describe(block)}, this is {describe(machine)} "
+              f"(start a new seed here instead)", flush=True)
+        return None
     cmd = [sys.executable, "train.py", *SETTINGS, *ESTIMATORS[name], "--seed", str(seed), "--time-budget", str(budget),
            "--out-dir", str(run_dir), "--resume" if state == "resume" else "--overwrite", *extra]
     print("$", " ".join(cmd), flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "machine.json").write_text(json.dumps(machine) + "\n")
     if subprocess.run(cmd, cwd=Path(__file__).parent).returncode != 0:
         raise SystemExit(f"error: the {name} run (seed {seed}) failed; see its output above")
     return run_dir
@@ -96,22 +133,26 @@ def main():
         raise SystemExit(f"error: --estimators: unknown {unknown} (choose from {list(ESTIMATORS)})")
     out.mkdir(parents=True, exist_ok=True)
     started, rows, dirs, runs = time.time(), [], [], {}  # runs: estimator -> its seeds' metrics
+    machine, machines = this_machine(), {}  # machines: seed -> the machine its block ran on
     for seed in [int(s) for s in args.seeds.split(",")]:
         for estimator in args.estimators.split(","):
-            run_dir = run(estimator, seed, budget=args.budget, out=out, extra=extra)
+            run_dir = run(estimator, seed, budget=args.budget, out=out, extra=extra, machine=machine)
+            if run_dir is None or run_state(run_dir, budget=args.budget) != "done":
+                continue
+            machines[seed] = seed_machine(out, seed)
             records = read_metrics(run_dir / "metrics.jsonl")
             dirs.append(run_dir)
             rows.append(summarize(records, estimator, seed))
             runs.setdefault(estimator, []).append(records)
+    if not rows:
+        raise SystemExit("error: no finished run to summarize (runs of another machine's block are not run here)")
     summary = summarize_grid(runs, budget=args.budget, threshold=args.threshold)
     plot_bands(runs, str(out / "curves.png"), budget=args.budget)
     plot_runs([str(d / "metrics.jsonl") for d in dirs], str(out / "runs.png"), [d.name for d in dirs])
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
-               platform.processor() or platform.machine())
-    machine = f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads"
+    blocks = "; ".join(f"seed {seed}: {describe(m)}" for seed, m in machines.items())
     text = (f"Budget {args.budget:.0f} s of training per run; settings: `{' '.join(SETTINGS + extra)}`.\n"
-            f"Machine: {machine}. Wall time of this invocation {(time.time() - started) / 60:.0f} min; training "
+            f"Each seed's runs share one machine (machine.json in each run's folder): {blocks}.\n"
+            f"Wall time of this invocation {(time.time() - started) / 60:.0f} min; training "
             f"compute of the grid {sum(r['train_minutes'] for r in rows):.0f} min.\n\n"
             f"{summary_markdown(summary, threshold=args.threshold)}\n\nPer run:\n\n{table(rows)}\n")
     (out / "results.md").write_text(text)

@@ -122,3 +122,16 @@ def test_replicate_extras_use_a_run_that_still_has_its_checkpoint(tmp_path):
     (runs[2] / "latest").write_text("ckpt-000061\n")
     (runs[1] / "latest").write_text("ckpt-000040")
     assert latest_checkpoint(runs) == runs[1] / "ckpt-000040"
+
+
+def test_replicate_keeps_each_seed_on_one_machine(tmp_path):
+    from replicate import run, seed_machine, this_machine
+    here = this_machine()
+    other = {**here, "bf16_units": ["amx_bf16"] if not here["bf16_units"] else [], "dtype": "other"}
+    assert seed_machine(tmp_path, 1) is None  # a new seed: its block goes to whichever machine starts it
+    (tmp_path / "vine-s1").mkdir()
+    (tmp_path / "vine-s1" / "machine.json").write_text(json.dumps(other))
+    assert seed_machine(tmp_path, 1) == other
+    # seed 1's block is on another machine: its critic run is not started here (None, and no folder written)
+    assert run("critic", 1, budget=600, out=tmp_path, extra=[], machine=here) is None
+    assert not (tmp_path / "critic-s1").exists()
