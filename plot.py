@@ -84,40 +84,52 @@ def time_to(curve: list[tuple[float, float]], threshold: float) -> float | None:
     return next((m for m, a in curve if a >= threshold), None)
 
 
-def summarize_grid(runs: dict[str, list[list[dict]]], *, budget: float, threshold: float) -> dict[str, dict]:
-    """Per estimator, over its seeds' metrics: final pass@1 (mean, SE), best, mean pass@1 over the budget (area),
-    minutes to reach `threshold` (mean over the seeds that did; how many did), KL to the reference at the end, seconds
-    per iteration, and seeds that collapsed (ended below half their starting pass@1)."""
-    out = {}
+def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, threshold: float,
+                   baseline: str = "vine") -> dict[str, dict]:
+    """Per estimator, over its seeds' metrics (runs: estimator -> seed -> records): final pass@1 (mean, SE), best,
+    mean pass@1 over the budget (area), minutes to reach `threshold` (mean over the seeds that did; how many did), KL
+    to the reference at the end, seconds per iteration, seeds that collapsed (ended below half their starting pass@1),
+    and the paired differences to `baseline` over the seeds both have: final and area minus the baseline's on the
+    same seed (mean, SE), which cancels what a seed shares: its machine and its draw of prompts."""
+    out, base = {}, {seed: eval_curve(records) for seed, records in runs.get(baseline, {}).items()}
     for name, seeds in runs.items():
-        curves = [eval_curve(records) for records in seeds]
-        last = [[r for r in records if "kl_ref" in r][-1] for records in seeds]
-        reached = [t for t in (time_to(c, threshold) for c in curves) if t is not None]
-        final = mean_se([c[-1][1] for c in curves])
-        areas = mean_se([area(c, minutes=budget / 60) for c in curves])
+        curves = {seed: eval_curve(records) for seed, records in seeds.items()}
+        last = [[r for r in records if "kl_ref" in r][-1] for records in seeds.values()]
+        reached = [t for t in (time_to(c, threshold) for c in curves.values()) if t is not None]
+        final = mean_se([c[-1][1] for c in curves.values()])
+        areas = mean_se([area(c, minutes=budget / 60) for c in curves.values()])
+        paired = [seed for seed in curves if seed in base]
+        final_diff = mean_se([curves[s][-1][1] - base[s][-1][1] for s in paired]) if paired else (None, None)
+        area_diff = mean_se([area(curves[s], minutes=budget / 60) - area(base[s], minutes=budget / 60)
+                             for s in paired]) if paired else (None, None)
         out[name] = {"seeds": len(seeds), "final": final[0], "final_se": final[1],
-                     "best": mean_se([max(a for _, a in c) for c in curves])[0],
+                     "best": mean_se([max(a for _, a in c) for c in curves.values()])[0],
                      "area": areas[0], "area_se": areas[1],
                      "minutes_to_threshold": sum(reached) / len(reached) if reached else None, "reached": len(reached),
                      "kl_ref": mean_se([r["kl_ref"] for r in last])[0],
                      "seconds_per_iteration": mean_se([r["train_seconds"] / r["iteration"] for r in last])[0],
-                     "collapsed": sum(c[-1][1] < c[0][1] / 2 for c in curves)}
+                     "collapsed": sum(c[-1][1] < c[0][1] / 2 for c in curves.values()),
+                     "paired": len(paired), "final_vs_baseline": final_diff[0], "final_vs_baseline_se": final_diff[1],
+                     "area_vs_baseline": area_diff[0], "area_vs_baseline_se": area_diff[1]}
     return out
 
 
-def summary_markdown(summary: dict[str, dict], *, threshold: float) -> str:
+def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: str = "vine") -> str:
     lines = [f"| estimator | seeds | final pass@1 (mean ± SE) | best (mean) | mean pass@1 over time (± SE) | minutes to "
-             f"{threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"{threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed | final − {baseline}, "
+             f"same seeds (± SE) | mean over time − {baseline} (± SE) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in summary.items():
         reach = f"{s['minutes_to_threshold']:.1f} ({s['reached']}/{s['seeds']})" if s["reached"] else f"never (0/{s['seeds']})"
+        vs = ["–", "–"] if name == baseline or not s["paired"] else [
+            f"{s[k]:+.3f} ± {s[k + '_se']:.3f} ({s['paired']})" for k in ("final_vs_baseline", "area_vs_baseline")]
         lines.append(f"| {name} | {s['seeds']} | {s['final']:.3f} ± {s['final_se']:.3f} | {s['best']:.3f} | "
                      f"{s['area']:.3f} ± {s['area_se']:.3f} | {reach} | {s['kl_ref']:.2e} | "
-                     f"{s['seconds_per_iteration']:.0f} | {s['collapsed']} |")
+                     f"{s['seconds_per_iteration']:.0f} | {s['collapsed']} | {vs[0]} | {vs[1]} |")
     return "\n".join(lines)
 
 
-def plot_bands(runs: dict[str, list[list[dict]]], out: str, *, budget: float):
+def plot_bands(runs: dict[str, dict[int, list[dict]]], out: str, *, budget: float):
     """pass@1 against training minutes: per estimator the mean over seeds of the held curves, +- one standard error."""
     import matplotlib
     matplotlib.use("Agg")
@@ -125,7 +137,7 @@ def plot_bands(runs: dict[str, list[list[dict]]], out: str, *, budget: float):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     grid = [budget / 60 * i / 200 for i in range(201)]
     for name, seeds in runs.items():
-        curves = [eval_curve(records) for records in seeds]
+        curves = [eval_curve(records) for records in seeds.values()]
         stats = [mean_se([held(c, t) for c in curves]) for t in grid]
         mean = [m for m, _ in stats]
         line, = ax.plot(grid, mean, label=f"{name} ({len(curves)} seeds)")

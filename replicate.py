@@ -132,7 +132,7 @@ def main():
     if unknown:
         raise SystemExit(f"error: --estimators: unknown {unknown} (choose from {list(ESTIMATORS)})")
     out.mkdir(parents=True, exist_ok=True)
-    started, rows, dirs, runs = time.time(), [], [], {}  # runs: estimator -> its seeds' metrics
+    started, rows, dirs, runs = time.time(), [], [], {}  # runs: estimator -> seed -> its metrics
     machine, machines = this_machine(), {}  # machines: seed -> the machine its block ran on
     for seed in [int(s) for s in args.seeds.split(",")]:
         for estimator in args.estimators.split(","):
@@ -143,7 +143,7 @@ def main():
             records = read_metrics(run_dir / "metrics.jsonl")
             dirs.append(run_dir)
             rows.append(summarize(records, estimator, seed))
-            runs.setdefault(estimator, []).append(records)
+            runs.setdefault(estimator, {})[seed] = records
     if not rows:
         raise SystemExit("error: no finished run to summarize (runs of another machine's block are not run here)")
     summary = summarize_grid(runs, budget=args.budget, threshold=args.threshold)

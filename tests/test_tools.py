@@ -84,8 +84,8 @@ def test_grid_statistics_by_hand():
     assert area(curve, minutes=10) == pytest.approx((0.2 * 4 + 0.4 * 4 + 0.1 * 2) / 10)
     assert time_to(curve, 0.35) == 4.0 and time_to(curve, 0.5) is None
     assert mean_se([0.2, 0.4]) == pytest.approx((0.3, 0.1)) and mean_se([0.5]) == (0.5, 0.0)
-    runs = {"vine": [grid_run([(0, 0.2), (5, 0.4), (10, 0.5)]), grid_run([(0, 0.2), (6, 0.3), (10, 0.3)])],
-            "grpo": [grid_run([(0, 0.2), (5, 0.05), (10, 0.05)], kl=0.5)]}
+    runs = {"vine": {0: grid_run([(0, 0.2), (5, 0.4), (10, 0.5)]), 1: grid_run([(0, 0.2), (6, 0.3), (10, 0.3)])},
+            "grpo": {1: grid_run([(0, 0.2), (5, 0.05), (10, 0.05)], kl=0.5)}}
     summary = summarize_grid(runs, budget=600, threshold=0.35)
     vine, grpo = summary["vine"], summary["grpo"]
     assert (vine["seeds"], vine["final"], vine["final_se"]) == (2, pytest.approx(0.4), pytest.approx(0.1))
@@ -94,7 +94,10 @@ def test_grid_statistics_by_hand():
     assert vine["seconds_per_iteration"] == pytest.approx(300) and vine["collapsed"] == 0
     assert (grpo["collapsed"], grpo["reached"], grpo["kl_ref"]) == (1, 0, 0.5)
     table = summary_markdown(summary, threshold=0.35)
-    assert "| vine | 2 | 0.400 ± 0.100 |" in table and "never (0/1)" in table
+    # paired with vine on the one seed both have (seed 1): final 0.05 - 0.3, area (0.2 * 5 + 0.05 * 5) / 10 - 0.24
+    assert grpo["paired"] == 1 and grpo["final_vs_baseline"] == pytest.approx(-0.25)
+    assert grpo["area_vs_baseline"] == pytest.approx(0.125 - 0.24) and vine["final_vs_baseline"] == 0.0
+    assert "| vine | 2 | 0.400 ± 0.100 |" in table and "never (0/1)" in table and "| -0.250 ± 0.000 (1) |" in table
 
 
 def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
