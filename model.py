@@ -117,10 +117,13 @@ def pick_device(device: str) -> torch.device:
 def native_bf16(device: torch.device) -> bool:
     """Does `device` run bf16 matmuls natively? CUDA: yes. CPU: when it has avx512_bf16 or AMX tiles (x86) or the
     bf16 extension (Arm), read from torch's CPU feature probe, never guessed from the vendor."""
-    if device.type == "cuda":
-        return True
+    return device.type == "cuda" or bool(cpu_bf16_units())
+
+
+def cpu_bf16_units() -> list[str]:
+    """The CPU's native bf16 units among avx512_bf16, amx_bf16 (x86) and bf16 (Arm), from torch's feature probe."""
     caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return any(caps.get(flag, False) for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+    return [flag for flag in ("avx512_bf16", "amx_bf16", "bf16") if caps.get(flag, False)]
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:

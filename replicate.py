@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from model import pick_dtype
+from model import cpu_bf16_units, pick_dtype
 from plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
 
 ESTIMATORS = {"vine": ["--estimator", "vine"],  # K = 9
@@ -57,9 +57,7 @@ def this_machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
                platform.processor() or platform.machine())
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-            "bf16_units": [f for f in ("avx512_bf16", "amx_bf16", "bf16") if caps.get(f, False)],
+    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "bf16_units": cpu_bf16_units(),
             "dtype": str(pick_dtype("auto", torch.device("cpu"))).removeprefix("torch."), "torch": torch.__version__}
 
 
@@ -161,16 +159,15 @@ def main():
     print(text)
     if args.extras:
         adaptive = ESTIMATORS["vine-adaptive"]
-        for estimator, script, args_ in (
-                ("critic", "diagnose.py", ["--rules", f"adaptive:{adaptive[adaptive.index('--k-ci') + 1]}",
-                                           "--out", str(out / "diagnostics")]),  # the grid's adaptive-K point
-                ("vine", "visualize.py", ["--out", str(out / "credit")])):
+        rule = f"adaptive:{adaptive[adaptive.index('--k-ci') + 1]}"  # the grid's adaptive-K point in the diagnostic
+        for estimator, script, flag, options in (
+                ("critic", "diagnose.py", "--checkpoint", ["--rules", rule, "--out", str(out / "diagnostics")]),
+                ("vine", "visualize.py", "--model", ["--out", str(out / "credit")])):
             ckpt = latest_checkpoint([d for d in dirs if d.name.rsplit("-s", 1)[0] == estimator])
             if ckpt is None:  # checkpoints are not committed: a clean checkout only has the metrics
                 print(f"--extras: no {estimator} run with a checkpoint here; {script} skipped", flush=True)
                 continue
-            flag = "--checkpoint" if script == "diagnose.py" else "--model"
-            subprocess.run([sys.executable, script, flag, str(ckpt), *args_], cwd=Path(__file__).parent, check=True)
+            subprocess.run([sys.executable, script, flag, str(ckpt), *options], cwd=Path(__file__).parent, check=True)
 
 
 def latest_checkpoint(run_dirs: list[Path]) -> Path | None:
@@ -179,6 +176,7 @@ def latest_checkpoint(run_dirs: list[Path]) -> Path | None:
         if (run_dir / "latest").exists():
             return run_dir / (run_dir / "latest").read_text().strip()
     return None
+
 
 if __name__ == "__main__":
     main()
