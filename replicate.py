@@ -11,7 +11,8 @@ on another (start a new seed there), and estimators are compared within a block.
 (plot.py), results.md and results.json (one row per run, and the summary over seeds from plot.summarize_grid), and
 with --extras the value-error diagnostic on a critic run (diagnose.py, with the adaptive-K rule of `vine-adaptive`)
 and the credit-assignment picture of a VinePPO run (visualize.py), each on the first run of its estimator that still
-has its checkpoint here.
+has its checkpoint here. `--redraw` runs nothing and only summarizes what is finished, as a grid spread over sittings
+needs between them.
 """
 import argparse
 import json
@@ -124,6 +125,8 @@ def main():
     parser.add_argument("--threshold", type=float, default=0.35, help="pass@1 whose time to reach is reported")
     parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True,
                         help="also run diagnose.py on the critic run and visualize.py on the vine run")
+    parser.add_argument("--redraw", action="store_true",
+                        help="run nothing: only summarize and plot the finished runs among --seeds x --estimators")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     out = Path(args.out)
     unknown = [e for e in args.estimators.split(",") if e not in ESTIMATORS]
@@ -134,7 +137,9 @@ def main():
     machine, machines = this_machine(), {}  # machines: seed -> the machine its block ran on
     for seed in [int(s) for s in args.seeds.split(",")]:
         for estimator in args.estimators.split(","):
-            run_dir = run(estimator, seed, budget=args.budget, out=out, extra=extra, machine=machine)
+            run_dir = out / f"{estimator}-s{seed}"
+            if not args.redraw:
+                run_dir = run(estimator, seed, budget=args.budget, out=out, extra=extra, machine=machine)
             if run_dir is None or run_state(run_dir, budget=args.budget) != "done":
                 continue
             machines[seed] = seed_machine(out, seed)

@@ -138,3 +138,20 @@ def test_replicate_keeps_each_seed_on_one_machine(tmp_path):
     # seed 1's block is on another machine: its critic run is not started here (None, and no folder written)
     assert run("critic", 1, budget=600, out=tmp_path, extra=[], machine=here) is None
     assert not (tmp_path / "critic-s1").exists()
+
+
+def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path, monkeypatch):
+    import replicate
+    done, cut = tmp_path / "vine-s0", tmp_path / "critic-s0"
+    for run_dir, minutes in ((done, 10), (cut, 4)):
+        run_dir.mkdir()
+        records = [{**r, "reward_mean": 0.5} for r in grid_run([(0, 0.2), (minutes / 2, 0.3), (minutes, 0.4)])]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (cut / "latest").write_text("ckpt-000002")  # cut off at 4 of 10 minutes: a plain invocation would resume it
+    monkeypatch.setattr(replicate, "run", lambda *a, **k: pytest.fail(f"--redraw started the run {a}"))
+    monkeypatch.setattr("sys.argv", ["replicate.py", "--budget", "600", "--seeds", "0", "--estimators", "vine,critic",
+                                     "--out", str(tmp_path), "--redraw", "--no-extras"])
+    replicate.main()
+    results = (tmp_path / "results.md").read_text()
+    assert "| vine | 1 | 0.400 ± 0.000 |" in results and "| critic |" not in results
+    assert (tmp_path / "curves.png").exists() and not (cut / "machine.json").exists()
