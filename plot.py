@@ -129,19 +129,26 @@ def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: st
     return "\n".join(lines)
 
 
+def bands(runs: dict[str, dict[int, list[dict]]], *, budget: float, points: int = 201) -> dict[str, list[tuple]]:
+    """Per estimator, (minute, mean, SE) over seeds of the held pass@1 curves, on one grid of training minutes. Runs
+    stop at the first iteration past the budget: the grid ends at the last final evaluation, so each band ends there."""
+    curves_of = {name: [eval_curve(records) for records in seeds.values()] for name, seeds in runs.items()}
+    end = max([budget / 60] + [c[-1][0] for curves in curves_of.values() for c in curves])
+    grid = [end * i / (points - 1) for i in range(points)]
+    return {name: [(t, *mean_se([held(c, t) for c in curves])) for t in grid] for name, curves in curves_of.items()}
+
+
 def plot_bands(runs: dict[str, dict[int, list[dict]]], out: str, *, budget: float):
     """pass@1 against training minutes: per estimator the mean over seeds of the held curves, +- one standard error."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    grid = [budget / 60 * i / 200 for i in range(201)]
-    for name, seeds in runs.items():
-        curves = [eval_curve(records) for records in seeds.values()]
-        stats = [mean_se([held(c, t) for c in curves]) for t in grid]
-        mean = [m for m, _ in stats]
-        line, = ax.plot(grid, mean, label=f"{name} ({len(curves)} seeds)")
-        ax.fill_between(grid, [m - e for m, e in stats], [m + e for m, e in stats], alpha=0.2, color=line.get_color())
+    for name, band in bands(runs, budget=budget).items():
+        grid, mean, se = zip(*band)
+        line, = ax.plot(grid, mean, label=f"{name} ({len(runs[name])} seeds)")
+        ax.fill_between(grid, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], alpha=0.2,
+                        color=line.get_color())
     ax.set_xlabel("training wall-clock (min)")
     ax.set_ylabel("test pass@1 (mean ± SE over seeds)")
     ax.grid(alpha=0.3)

@@ -75,9 +75,14 @@ def seed_machine(out: Path, seed: int) -> dict | None:
     return json.loads(recorded[0].read_text()) if recorded else None
 
 
+def cell_dir(out: Path, estimator: str, seed: int) -> Path:
+    """The folder of one cell of the grid: one estimator at one seed."""
+    return out / f"{estimator}-s{seed}"
+
+
 def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str], machine: dict) -> Path | None:
     """Runs (or resumes) one cell of the grid; None when the cell belongs to a block on another machine."""
-    run_dir = out / f"{name}-s{seed}"
+    run_dir = cell_dir(out, name, seed)
     state = run_state(run_dir, budget=budget)
     if state == "done":
         print(f"{run_dir}: finished earlier, skipped", flush=True)
@@ -137,7 +142,7 @@ def main():
     machine, machines = this_machine(), {}  # machines: seed -> the machine its block ran on
     for seed in [int(s) for s in args.seeds.split(",")]:
         for estimator in args.estimators.split(","):
-            run_dir = out / f"{estimator}-s{seed}"
+            run_dir = cell_dir(out, estimator, seed)
             if not args.redraw:
                 run_dir = run(estimator, seed, budget=args.budget, out=out, extra=extra, machine=machine)
             if run_dir is None or run_state(run_dir, budget=args.budget) != "done":
@@ -168,7 +173,7 @@ def main():
         for estimator, script, flag, options in (
                 ("critic", "diagnose.py", "--checkpoint", ["--rules", rule, "--out", str(out / "diagnostics")]),
                 ("vine", "visualize.py", "--model", ["--out", str(out / "credit")])):
-            ckpt = latest_checkpoint([d for d in dirs if d.name.rsplit("-s", 1)[0] == estimator])
+            ckpt = latest_checkpoint([cell_dir(out, estimator, seed) for seed in runs.get(estimator, {})])
             if ckpt is None:  # checkpoints are not committed: a clean checkout only has the metrics
                 print(f"--extras: no {estimator} run with a checkpoint here; {script} skipped", flush=True)
                 continue

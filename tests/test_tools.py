@@ -100,6 +100,16 @@ def test_grid_statistics_by_hand():
     assert "| vine | 2 | 0.400 ± 0.100 |" in table and "never (0/1)" in table and "| -0.250 ± 0.000 (1) |" in table
 
 
+def test_bands_end_at_each_runs_final_evaluation():
+    from plot import bands
+    # a 10-minute budget; the runs' last iterations end past it (10.2 and 10.4 min), as real runs do
+    runs = {"vine": {0: grid_run([(0, 0.2), (9.8, 0.6), (10.2, 0.4)]), 1: grid_run([(0, 0.2), (5, 0.3), (10.4, 0.2)])}}
+    band = bands(runs, budget=600, points=53)["vine"]
+    assert band[0] == (0.0, 0.2, 0.0) and band[-1][0] == pytest.approx(10.4)
+    assert band[-1][1:] == pytest.approx((0.3, 0.1))  # the mean of the final evaluations, not of those before
+    assert [m for t, m, _ in band if t == pytest.approx(10.0)] == [pytest.approx(0.45)]  # 0.6 and 0.3 held at 10 min
+
+
 def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
     from replicate import run_state
     run_dir = tmp_path / "vine-s0"
