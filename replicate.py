@@ -7,12 +7,12 @@ stopped after --budget seconds of training (evaluation excluded). Restartable ru
 exist is skipped, one that was cut off resumes from its last checkpoint (written with each evaluation), so the grid
 can be spread over several sittings. Each seed is a block run on one machine (recorded in each run's machine.json):
 a budget of wall-clock buys different work on another CPU or dtype, so a seed begun on one machine is not continued
-on another (start a new seed there), and estimators are compared within a block. Then writes into --out: curves.png
-(plot.py), results.md and results.json (one row per run, and the summary over seeds from plot.summarize_grid), and
-with --extras the value-error diagnostic on a critic run (diagnose.py, with the adaptive-K rule of `vine-adaptive`)
-and the credit-assignment picture of a VinePPO run (visualize.py), each on the first run of its estimator that still
-has its checkpoint here. `--redraw` runs nothing and only summarizes what is finished, as a grid spread over sittings
-needs between them.
+on another (start a new seed there), and estimators are compared within a block. Then summarizes every finished run
+in --out (not only this invocation's) into it: curves.png (plot.py), results.md and results.json (one row per run,
+and the summary over seeds from plot.summarize_grid), and with --extras the value-error diagnostic on a critic run
+(diagnose.py, with the adaptive-K rule of `vine-adaptive`) and the credit-assignment picture of a VinePPO run
+(visualize.py), each on the first run of its estimator that still has its checkpoint here. `--redraw` runs nothing
+and only summarizes, as a grid spread over sittings needs between them.
 """
 import argparse
 import json
@@ -75,6 +75,12 @@ def seed_machine(out: Path, seed: int) -> dict | None:
     return json.loads(recorded[0].read_text()) if recorded else None
 
 
+def block_seeds(out: Path) -> list[int]:
+    """The seeds that have a block of runs in out (a cell folder with its machine.json)."""
+    names = [p.parent.name.rsplit("-s", 1)[-1] for p in out.glob("*-s*/machine.json")]
+    return sorted({int(n) for n in names if n.isdigit()})
+
+
 def cell_dir(out: Path, estimator: str, seed: int) -> Path:
     """The folder of one cell of the grid: one estimator at one seed."""
     return out / f"{estimator}-s{seed}"
@@ -131,7 +137,7 @@ def main():
     parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True,
                         help="also run diagnose.py on the critic run and visualize.py on the vine run")
     parser.add_argument("--redraw", action="store_true",
-                        help="run nothing: only summarize and plot the finished runs among --seeds x --estimators")
+                        help="run nothing: only summarize and plot the finished runs in --out")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     out = Path(args.out)
     unknown = [e for e in args.estimators.split(",") if e not in ESTIMATORS]
@@ -140,12 +146,14 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     started, rows, dirs, runs = time.time(), [], [], {}  # runs: estimator -> seed -> its metrics
     machine, machines = this_machine(), {}  # machines: seed -> the machine its block ran on
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for seed in [] if args.redraw else seeds:
         for estimator in args.estimators.split(","):
+            run(estimator, seed, budget=args.budget, out=out, extra=extra, machine=machine)
+    for seed in sorted(set(seeds) | set(block_seeds(out))):  # the summary: every finished run in --out
+        for estimator in ESTIMATORS:
             run_dir = cell_dir(out, estimator, seed)
-            if not args.redraw:
-                run_dir = run(estimator, seed, budget=args.budget, out=out, extra=extra, machine=machine)
-            if run_dir is None or run_state(run_dir, budget=args.budget) != "done":
+            if run_state(run_dir, budget=args.budget) != "done":
                 continue
             machines[seed] = seed_machine(out, seed)
             records = read_metrics(run_dir / "metrics.jsonl")

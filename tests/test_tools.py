@@ -1,6 +1,7 @@
 """Pure pieces of the diagnostic, the credit picture and the plots."""
 import json
 import math
+import shutil
 
 import pytest
 
@@ -158,10 +159,17 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
         records = [{**r, "reward_mean": 0.5} for r in grid_run([(0, 0.2), (minutes / 2, 0.3), (minutes, 0.4)])]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (cut / "latest").write_text("ckpt-000002")  # cut off at 4 of 10 minutes: a plain invocation would resume it
+    other = tmp_path / "grpo-s5"  # finished in an earlier sitting, outside this invocation's --seeds and --estimators
+    shutil.copytree(done, other)
+    (other / "machine.json").write_text(json.dumps(replicate.this_machine()))
+    (tmp_path / "notes-sx").mkdir()  # a folder that is not a cell
+    (tmp_path / "notes-sx" / "machine.json").write_text("{}")
+    assert replicate.block_seeds(tmp_path) == [5]
     monkeypatch.setattr(replicate, "run", lambda *a, **k: pytest.fail(f"--redraw started the run {a}"))
     monkeypatch.setattr("sys.argv", ["replicate.py", "--budget", "600", "--seeds", "0", "--estimators", "vine,critic",
                                      "--out", str(tmp_path), "--redraw", "--no-extras"])
     replicate.main()
     results = (tmp_path / "results.md").read_text()
     assert "| vine | 1 | 0.400 ± 0.000 |" in results and "| critic |" not in results
+    assert "| grpo | 1 | 0.400 ± 0.000 |" in results  # the summary covers every finished run in --out
     assert (tmp_path / "curves.png").exists() and not (cut / "machine.json").exists()
