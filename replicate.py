@@ -143,6 +143,8 @@ def main():
     unknown = [e for e in args.estimators.split(",") if e not in ESTIMATORS]
     if unknown:
         raise SystemExit(f"error: --estimators: unknown {unknown} (choose from {list(ESTIMATORS)})")
+    if not all(s.strip().isdigit() for s in args.seeds.split(",")):
+        raise SystemExit(f"error: --seeds: expected comma-separated non-negative integers, got {args.seeds!r}")
     out.mkdir(parents=True, exist_ok=True)
     started, rows, dirs, runs = time.time(), [], [], {}  # runs: estimator -> seed -> its metrics
     machine, machines = this_machine(), {}  # machines: seed -> the machine its block ran on

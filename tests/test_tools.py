@@ -173,3 +173,10 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
     assert "| vine | 1 | 0.400 ± 0.000 |" in results and "| critic |" not in results
     assert "| grpo | 1 | 0.400 ± 0.000 |" in results  # the summary covers every finished run in --out
     assert (tmp_path / "curves.png").exists() and not (cut / "machine.json").exists()
+
+
+def test_replicate_bad_seeds_is_a_one_line_error(tmp_path, monkeypatch):
+    import replicate
+    monkeypatch.setattr("sys.argv", ["replicate.py", "--seeds", "0,x", "--out", str(tmp_path), "--redraw"])
+    with pytest.raises(SystemExit, match="--seeds: expected comma-separated non-negative integers, got '0,x'"):
+        replicate.main()
