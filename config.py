@@ -76,6 +76,14 @@ class Config:
     sampler: str = arg("auto", "auto: vLLM if it imports and starts, else hf; hf: this project's own CPU/GPU decode "
                                "loop (decoding.py), not transformers'; generate: transformers' generate; vllm",
                        choices=["auto", "hf", "generate", "vllm"])
+    vllm_gpu_memory: float = arg(0.3, "vLLM: fraction of the GPU's memory the engine takes (weights, activations, KV "
+                                      "cache); it starts before the policy and reference are loaded, and refuses to "
+                                      "start unless that much is free")
+    vllm_max_batched_tokens: int | None = arg(None, "vLLM: tokens per engine step, which sets its profiled activation "
+                                                    "peak (default: 4096 on CUDA, as TRL; 65536 on vLLM's CPU build, "
+                                                    "whose seeded sampling fails when a prefill is split over steps)")
+    vllm_sleep: bool = arg(True, "vLLM on CUDA: sleep through the PPO update (weights offloaded to the CPU, KV cache "
+                                 "freed), woken for the weight push and for generation")
     gen_batch_size: int = arg(256, "rows per generation batch (transformers samplers)")
     device: str = arg("auto", "auto, cpu or cuda")
     dtype: str = arg("auto", "compute dtype of training (autocast), the sampler and the reference; master weights and "
@@ -116,6 +124,8 @@ def parse_config(argv=None) -> Config:
     cfg.value_lr = cfg.lr if cfg.value_lr is None else cfg.value_lr
     if cfg.eval_size is None:
         cfg.eval_size = 10**9 if gpu else 32
+    if cfg.vllm_max_batched_tokens is None:
+        cfg.vllm_max_batched_tokens = 4096 if gpu else 65536
     if cfg.max_value_steps is None:
         cfg.max_value_steps = 0 if cfg.dataset == "math" else 25
     cfg.out_dir = cfg.out_dir or f"runs/{cfg.dataset}-{cfg.estimator}-k{cfg.k}-s{cfg.seed}"
@@ -132,6 +142,10 @@ def parse_config(argv=None) -> Config:
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
     if not cfg.eval_every_seconds >= 0:
         parser.error(f"--eval-every-seconds must be 0 (off) or above (got {cfg.eval_every_seconds})")
+    if not 0 < cfg.vllm_gpu_memory < 1:
+        parser.error(f"--vllm-gpu-memory must be a fraction in (0, 1) (got {cfg.vllm_gpu_memory})")
+    if cfg.vllm_max_batched_tokens < 1:
+        parser.error(f"--vllm-max-batched-tokens must be at least 1 (got {cfg.vllm_max_batched_tokens})")
     if not cfg.k_ci > 0:
         parser.error(f"--k-ci must be above 0 (got {cfg.k_ci})")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:

@@ -20,6 +20,8 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from sampling import nucleus_keep
+
 TOP_K_FIRST = 64  # top-p looks at the 64 likeliest tokens first; rows whose nucleus is wider fall back to a full sort
 
 
@@ -41,11 +43,12 @@ def gumbel(*, seed: int, rows: torch.Tensor, step: int, token_ids: torch.Tensor)
 def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float, seed: int, rows: torch.Tensor,
                   step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) next tokens from logits (B, V), greedy at temperature 0, else top-p sampling by the Gumbel-max trick;
-    and (B,) their log-probs under softmax(logits / T) over the whole vocabulary (T = 1 when greedy), the quantity
-    the trainer computes. In fp32 whatever the logits' dtype. Only the candidates' log-probs are formed (logit / T -
-    logsumexp), not a (B, V) log-softmax."""
+    and (B,) their log-probs under the distribution sampled from: softmax(logits / T) renormalised over the top-p
+    nucleus (the whole vocabulary at T = 1 when greedy), as vLLM reports them (sampling.py). In fp32 whatever the
+    logits' dtype. Only the candidates' log-probs are formed (logit / T - logsumexp), not a (B, V) log-softmax."""
     scaled = logits.float() if temperature in (0, 1) else logits.float() / temperature  # (B, V)
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (B, 1)
+    log_mass = torch.zeros(len(scaled), device=scaled.device)  # (B,) log of the nucleus' mass
     if temperature == 0:
         chosen = scaled.argmax(-1)
     elif top_p >= 1:
@@ -58,11 +61,11 @@ def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float, see
         chosen = torch.empty(len(scaled), dtype=torch.long, device=scaled.device)
         if wide.any():  # rare at T = 0.6: sort the whole vocabulary for these rows only
             full_logits, full_ids = scaled[wide].sort(dim=-1, descending=True)  # (b, V)
-            chosen[wide] = nucleus_pick(full_logits - lse[wide], full_ids, top_p=top_p, seed=seed, rows=rows[wide],
-                                        step=step)
-        chosen[~wide] = nucleus_pick(cand_logp[~wide], cand_ids[~wide], top_p=top_p, seed=seed, rows=rows[~wide],
-                                     step=step)
-    return chosen, (scaled.gather(-1, chosen[:, None]) - lse).squeeze(-1)
+            chosen[wide], log_mass[wide] = nucleus_pick(full_logits - lse[wide], full_ids, top_p=top_p, seed=seed,
+                                                        rows=rows[wide], step=step)
+        chosen[~wide], log_mass[~wide] = nucleus_pick(cand_logp[~wide], cand_ids[~wide], top_p=top_p, seed=seed,
+                                                      rows=rows[~wide], step=step)
+    return chosen, (scaled.gather(-1, chosen[:, None]) - lse).squeeze(-1) - log_mass
 
 
 def next_tokens(model, hidden: torch.Tensor, *, rows: torch.Tensor, temperature: float, logits: torch.Tensor,
@@ -84,12 +87,14 @@ def next_tokens(model, hidden: torch.Tensor, *, rows: torch.Tensor, temperature:
     return torch.cat([tokens for tokens, _ in picks]), torch.cat([logp for _, logp in picks])
 
 
-def nucleus_pick(sorted_logp, sorted_ids, *, top_p: float, seed: int, rows, step: int) -> torch.Tensor:
-    """Sample among the smallest likeliest-first prefix of tokens whose probability reaches top_p."""
+def nucleus_pick(sorted_logp, sorted_ids, *, top_p: float, seed: int, rows, step: int):
+    """Sample among the smallest likeliest-first prefix of tokens whose probability reaches top_p; returns the tokens
+    (B,) and the log of that nucleus' mass (B,)."""
     probs = sorted_logp.exp()  # (B, k)
-    keep = probs.cumsum(-1) - probs < top_p  # (B, k) the mass before a kept token is under top_p
+    keep = nucleus_keep(probs, top_p=top_p)  # (B, k) the mass before a kept token is under top_p
     scores = (sorted_logp + gumbel(seed=seed, rows=rows, step=step, token_ids=sorted_ids)).masked_fill(~keep, -1e30)
-    return sorted_ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)  # (B,)
+    chosen = sorted_ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)  # (B,)
+    return chosen, (probs * keep).sum(-1).log()
 
 
 def decoder_forward(model, *, ids, positions, attend) -> torch.Tensor:

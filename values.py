@@ -15,6 +15,7 @@ import torch
 
 import dist
 from grader import grade
+from sampling import row_seed
 
 # Math that must stay whole: $$..$$, $..$ (not \$), \(..\), \[..\], \begin{env}..\end{env}, [asy]..[/asy].
 MATH_SPAN = re.compile(r"(?<!\\)\$\$.+?(?<!\\)\$\$|(?<!\\)\$.+?(?<!\\)\$|\\\(.+?\\\)|\\\[.+?\\\]"
@@ -214,7 +215,7 @@ def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, datas
                                     prefix_lens=[prefix_lens[i] for i in idx], prompt_lens=[prompt_lens[i] for i in idx],
                                     answers=[answers[i] for i in idx], dataset=dataset, K=n, temperature=temperature,
                                     top_p=top_p, max_new_tokens=max_new_tokens,
-                                    seed=seed if k_mode == "fixed" else seed + 7_919 * round_ + n)
+                                    seed=row_seed(seed, round_, n))  # every round's rows their own noise
             for i, sc in zip(idx, scores):
                 rewards[i] += sc
             tokens += t

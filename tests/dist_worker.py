@@ -58,7 +58,7 @@ def ppo_case(case: str) -> dict:
     start = {k: v.detach().clone() for k, v in policy.state_dict().items()}
     scorer = dist.wrap(Scorer(policy, value_head), fsdp=case == "ppo-fsdp")
     groups = [torch.tensor([2 * j, 2 * j + 1]) for j in range(len(mine) // 2)]
-    batch["old_logprobs"], old_values = batch_logprobs(scorer, batch, P, groups=groups, temperature=1.0)
+    batch["old_logprobs"], old_values, _ = batch_logprobs(scorer, batch, P, groups=groups, temperature=1.0)
     batch["ref_logprobs"] = batch["old_logprobs"] - 0.1 * batch["advantages"]  # a reference the policy differs from
     if value_head is not None:
         batch["old_values"] = old_values

@@ -63,7 +63,7 @@ def test_response_logprobs_matches_direct_computation(smol):
     mask = [[0] * (P - len(p)) + [1] * (len(p) + len(r)) + [0] * (R - len(r)) for p, r in zip(prompts, responses)]
     temperature = 0.6
     with torch.no_grad():
-        logprobs, entropy, _ = response_logprobs(model, input_ids=torch.tensor(rows), attention_mask=torch.tensor(mask),
+        logprobs, entropy, _, _ = response_logprobs(model, input_ids=torch.tensor(rows), attention_mask=torch.tensor(mask),
                                               response_start=P, temperature=temperature, with_entropy=True)
         for i, (p, r) in enumerate(zip(prompts, responses)):
             logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1] / temperature  # no padding at all
@@ -86,7 +86,7 @@ def test_chunked_output_layer_gives_the_same_logprobs_and_gradients(monkeypatch,
     def run(chunk_tokens):
         monkeypatch.setattr(model_mod, "LOGIT_CHUNK_TOKENS", chunk_tokens)
         tiny.zero_grad()
-        logprobs, entropy, _ = response_logprobs(tiny, input_ids=ids, attention_mask=torch.ones_like(ids),
+        logprobs, entropy, _, _ = response_logprobs(tiny, input_ids=ids, attention_mask=torch.ones_like(ids),
                                                  response_start=5, temperature=0.6, with_entropy=True, dtype=dtype)
         (logprobs * torch.arange(15.0)).sum().backward()  # a different weight per position: chunks must line up
         return logprobs.detach(), entropy, [p.grad.clone() for p in tiny.parameters()]

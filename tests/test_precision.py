@@ -40,7 +40,7 @@ def fraction_moved_by_one_step(model, tokenizer, *, weights: torch.dtype, comput
     actually changed."""
     policy = copy.deepcopy(model).to(weights).requires_grad_(True)
     batch, P = tiny_batch(tokenizer)
-    batch["old_logprobs"], _ = batch_logprobs(Scorer(policy, dtype=compute), batch, P, groups=micro_batches(2, size=2),
+    batch["old_logprobs"], _, _ = batch_logprobs(Scorer(policy, dtype=compute), batch, P, groups=micro_batches(2, size=2),
                                               temperature=1.0)
     batch["ref_logprobs"] = batch["old_logprobs"]
     batch["advantages"] = pad_rows([torch.ones(n) for n in batch["response_mask"].sum(1).tolist()],
@@ -89,7 +89,7 @@ def test_fixed_micro_batches_make_the_bf16_ratio_start_at_one(smol):
     policy = copy.deepcopy(model).requires_grad_(True)
     groups = micro_batches(4, size=2)
     scorer = Scorer(policy, dtype=torch.bfloat16)
-    batch["old_logprobs"], _ = batch_logprobs(scorer, batch, P, groups=groups, temperature=1.0)
+    batch["old_logprobs"], _, _ = batch_logprobs(scorer, batch, P, groups=groups, temperature=1.0)
     batch["ref_logprobs"] = batch["old_logprobs"]
     batch["advantages"] = batch["response_mask"].float()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
@@ -160,17 +160,21 @@ def response_batch(prompts, groups, tokenizer):
 
 @pytest.mark.parametrize("kind", ["hf", "generate"])
 def test_sampler_logprobs_are_the_trainers_in_fp32(smol, prompts, kind):
-    """Each sampled token's log-prob as the sampler reports it equals the trainer's (full softmax at the sampling
-    temperature) when both run in fp32: the mismatch metrics start from zero."""
+    """Each sampled token's log-prob as the sampler reports it equals the trainer's under the same distribution (the
+    sampling temperature's softmax over the top-p nucleus) when both run in fp32: the mismatch metrics start from
+    zero. The full softmax is a different number (by -log of the nucleus mass)."""
     model, tokenizer = smol
     sampler = (HFSampler if kind == "hf" else GenerateSampler)(model, tokenizer)
     groups = sampler.sample(prompts, n=2, temperature=0.6, top_p=0.9, max_new_tokens=20, seed=3)
     batch, P, samples = response_batch(prompts, groups, tokenizer)
     assert all(len(s.logprobs) == len(s.token_ids) for s in samples)
-    trainer, _ = batch_logprobs(Scorer(model), batch, P, groups=micro_batches(len(samples), size=4), temperature=0.6)
+    trainer, _, log_mass = batch_logprobs(Scorer(model), batch, P, groups=micro_batches(len(samples), size=4),
+                                          temperature=0.6, top_p=0.9)
     mine = pad_rows([torch.tensor(s.logprobs) for s in samples], batch["response_mask"].shape[1])
-    gap = sampler_mismatch(trainer_logprobs=trainer, sampler_logprobs=mine, mask=batch["response_mask"])
+    gap = sampler_mismatch(trainer_logprobs=trainer - log_mass, sampler_logprobs=mine, mask=batch["response_mask"])
     assert gap["mismatch_abs_logp"] < 1e-3 and gap["mismatch_ratio_out"] == 0, gap
+    full = sampler_mismatch(trainer_logprobs=trainer, sampler_logprobs=mine, mask=batch["response_mask"])
+    assert full["mismatch_abs_logp"] > 3 * gap["mismatch_abs_logp"] + 1e-3, (full, gap)
 
 
 def test_bf16_sampler_copy_sync_and_mismatch(smol, prompts):
@@ -183,9 +187,10 @@ def test_bf16_sampler_copy_sync_and_mismatch(smol, prompts):
     assert next(model.parameters()).dtype == torch.float32  # the policy itself is untouched
     groups = sampler.sample(prompts, n=2, temperature=0.6, top_p=0.9, max_new_tokens=24, seed=3)
     batch, P, samples = response_batch(prompts, groups, tokenizer)
-    trainer, _ = batch_logprobs(Scorer(model), batch, P, groups=micro_batches(len(samples), size=4), temperature=0.6)
+    trainer, _, log_mass = batch_logprobs(Scorer(model), batch, P, groups=micro_batches(len(samples), size=4),
+                                          temperature=0.6, top_p=0.9)
     mine = pad_rows([torch.tensor(s.logprobs) for s in samples], batch["response_mask"].shape[1])
-    gap = sampler_mismatch(trainer_logprobs=trainer, sampler_logprobs=mine, mask=batch["response_mask"])
+    gap = sampler_mismatch(trainer_logprobs=trainer - log_mass, sampler_logprobs=mine, mask=batch["response_mask"])
     assert 1e-4 < gap["mismatch_abs_logp"] < 0.1 and gap["mismatch_ratio_out"] < 0.05, gap
 
     seq = prompts[1] + tokenizer("12 + 30 = 42.\nSo the answer is 42.", add_special_tokens=False).input_ids

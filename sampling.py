@@ -1,0 +1,108 @@
+"""What every sampler shares (rollout.py's backends and hf_sampler.py build on it; it imports neither):
+
+- Sample, and cut_at_stop, which trims raw generated ids at a stop token / stop string / the length limit;
+- sampler_model / sync_weights: the sampler's own copy of the weights in the compute dtype, refreshed after updates;
+- row_seed: the seed of one sampled row, so that no two rows of an iteration share their random numbers;
+- nucleus_keep / nucleus_log_mass: the top-p nucleus, so that every sampler and the trainer report a token's
+  log-prob under the same distribution, the one it was sampled from.
+
+The log-prob every sampler reports is the sampled token's under the distribution it was drawn from: softmax(logits / T)
+renormalised over the top-p nucleus, i.e. log softmax(logits / T)[token] - log(mass of the nucleus). That is what vLLM
+reports (its "processed" log-probs, after temperature and top-p) and the only per-token quantity it can report with T
+applied; our decode loop computes the same from the nucleus it samples from, and the trainer from its own logits
+(model.response_logprobs with top_p), so that the sampler-trainer mismatch and --tis-cap compare like with like.
+
+Shapes: B = rows, V = vocab, k = candidates (likeliest first).
+"""
+import copy
+from dataclasses import dataclass
+
+import torch
+
+import dist
+
+MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    text: str
+    finished: bool
+    logprobs: list[float]  # one per token id, under the distribution it was sampled from (see the module's docstring)
+
+
+def cut_at_stop(ids: list[int], *, logprobs: list[float], tokenizer, stop_ids: set[int], stop_strings: list[str],
+                limit: int) -> Sample:
+    """Trim raw generated ids (and their log-probs) at the first stop id or stop string, and at `limit` tokens."""
+    for i, token in enumerate(ids[:limit]):
+        if token in stop_ids:
+            return Sample(ids[:i + 1], tokenizer.decode(ids[:i], skip_special_tokens=True), True, logprobs[:i + 1])
+    ids = ids[:limit]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for stop in stop_strings:
+        if stop in text:  # keep the tokens up to the one that completes the stop string, and the string itself
+            end = text.index(stop) + len(stop)
+            n = next(i for i in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:i], skip_special_tokens=True)) >= end)
+            return Sample(ids[:n], text[:end], True, logprobs[:n])
+    return Sample(ids, text, False, logprobs[:limit])
+
+
+def sampler_model(policy, dtype: torch.dtype | None):
+    """The module a sampler decodes with: the policy itself if it is stored in `dtype` (or dtype is None), else a
+    frozen copy of it in `dtype` that sync_weights refreshes. Under torchrun always a copy: the trainer's weights may
+    be sharded (FSDP2). Make it before dist.wrap."""
+    if (dtype is None or next(policy.parameters()).dtype == dtype) and not dist.active():
+        return policy
+    return copy.deepcopy(policy).to(dtype or next(policy.parameters()).dtype).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def sync_weights(model, policy):
+    """Copy the policy's (fp32 master) weights into the sampler's copy, rounding to its dtype; nothing to do when the
+    sampler decodes with the policy itself. Under FSDP2 one parameter is gathered at a time."""
+    if model is not policy:
+        target = model.state_dict()
+        for name, tensor in dist.full_tensors(policy):
+            target[name].copy_(tensor)
+
+
+def splitmix64(x: int) -> int:
+    """One step of the splitmix64 mixer on a 64-bit integer: nearby inputs give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def row_seed(*parts: int) -> int:
+    """A seed in [0, 2^63) mixed from integers (e.g. a call's seed and a row's key). Unlike `seed + i`, two different
+    part lists collide only by chance (about n^2 / 2^64 for n seeds), so a call's rows never share their noise with
+    another row of the same call or of another call (rollouts, vine rounds, evaluation). 63 bits: vLLM keeps seeds in
+    int64."""
+    x = 0
+    for part in parts:
+        x = splitmix64(x ^ (part & MASK64))
+    return x >> 1
+
+
+def nucleus_keep(sorted_probs: torch.Tensor, *, top_p: float) -> torch.Tensor:
+    """(..., k) which of the likeliest-first probabilities are in the top-p nucleus: the smallest prefix whose mass
+    reaches top_p, i.e. a token is kept when the mass before it is under top_p (vLLM's rule too)."""
+    return sorted_probs.cumsum(-1) - sorted_probs < top_p
+
+
+def nucleus_log_mass(logp: torch.Tensor, *, top_p: float, first: int = 64) -> torch.Tensor:
+    """(...) log of the probability mass of the top-p nucleus of each distribution in logp (..., V), log-probs in
+    fp32; 0 when top_p >= 1. The `first` likeliest tokens are looked at first; rows whose nucleus is wider are
+    sorted whole."""
+    if top_p >= 1:
+        return logp.new_zeros(logp.shape[:-1])
+    flat = logp.reshape(-1, logp.shape[-1])  # (B, V)
+    probs = flat.topk(min(first, flat.shape[-1]), dim=-1).values.exp()  # (B, k)
+    mass = (probs * nucleus_keep(probs, top_p=top_p)).sum(-1)  # (B,)
+    wide = probs.sum(-1) < top_p  # (B,) nucleus wider than k tokens
+    if wide.any():
+        full = flat[wide].sort(dim=-1, descending=True).values.exp()  # (b, V)
+        mass[wide] = (full * nucleus_keep(full, top_p=top_p)).sum(-1)
+    return mass.log().view(logp.shape[:-1])
