@@ -136,6 +136,37 @@ def test_baseline_estimators_run_in_the_same_loop(tmp_path, smol_path, estimator
     assert (out / "ckpt-000001" / "value_head.pt").exists() == (estimator == "critic")
 
 
+FOLDER_ROWS = {"number": [("Tom has 3 apples and buys 4 more. How many apples does he have?", "7"),
+                          ("A box holds 12 pens. How many pens are in 2 boxes?", "24"),
+                          ("Sam had 10 coins and lost 4. How many coins are left?", "6")],
+               "math": [("What is $\\frac{1}{2} + \\frac{1}{4}$?", "\\frac{3}{4}"),
+                        ("Solve $2x = 6$ for $x$.", "3"),
+                        ("Simplify $\\sqrt{8}$.", "2\\sqrt{2}")]}
+
+
+@pytest.mark.slow  # two train.py runs, ~1 min each on 2 idle cores (5 min on a loaded machine)
+@pytest.mark.parametrize("grader", ["number", "math"])
+def test_one_iteration_on_a_folder_data_set(tmp_path, smol_path, grader):
+    """--dataset FOLDER (hand-made train.jsonl / test.jsonl) with each grader: one VinePPO iteration, evaluated and
+    checkpointed, under runs/<folder name>-...; --grader auto picks the grader from the answers."""
+    folder = tmp_path / f"my-{grader}"
+    folder.mkdir()
+    for split, rows in (("train", FOLDER_ROWS[grader]), ("test", FOLDER_ROWS[grader][:2])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    cmd = [sys.executable, str(REPO / "train.py"), "--dataset", str(folder), "--iterations", "1", "--k", "2",
+           "--prompts-per-iter", "1", "--samples-per-prompt", "2", "--max-new-tokens", "16", "--eval-size", "1",
+           "--eval-samples", "1", "--epochs", "1", "--sampler", "hf"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          text=True, capture_output=True, timeout=600)  # cwd: the default out-dir lands in tmp_path
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "runs" / f"my-{grader}-vine-k2-s0"  # named after the folder
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1] and "eval_accuracy" in records[1]
+    assert records[1]["value_states"] >= 1 and records[1]["optimizer_steps"] >= 1
+    state = torch.load(out / "ckpt-000001" / "trainer_state.pt", weights_only=False)
+    assert (state["config"]["task"], state["config"]["grader"]) == ("custom", grader)
+
+
 def test_help_shows_every_default(capsys):
     import dataclasses
     with pytest.raises(SystemExit):
