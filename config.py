@@ -9,7 +9,7 @@ from pathlib import Path
 
 from data import SPLITS, dataset_problem, load_split, task_of
 from grader import grader_of, is_number
-from model import DEFAULT_MODEL, pick_device
+from model import DEFAULT_MODEL, model_problem, pick_device
 from monitor import TRACKERS, tracker_missing
 
 
@@ -30,7 +30,7 @@ class Config:
                          choices=["vine", "critic", "grpo", "rloo"])
     data_dir: str | None = arg(None, "gsm8k, math: a folder with <dataset>/{train,test}.jsonl, or hub (the Hugging "
                                      "Face Hub's copies); else $VINEPPO_DATA_DIR, else the copy shipped in data/")
-    model: str = arg(DEFAULT_MODEL, "Hub id, local HF folder or .gguf file")
+    model: str = arg(DEFAULT_MODEL, "Hub id (offline: from the Hugging Face cache), local HF folder or .gguf file")
     prompt_format: str = arg("chat", "chat: the model's chat template; sft: the paper's '[MATH_TASK] Problem:' format",
                              choices=["chat", "sft"])
     out_dir: str | None = arg(None, "where metrics.jsonl and checkpoints go (default "
@@ -103,7 +103,8 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s [flags] (--help lists every flag and its default)")
     for f in dataclasses.fields(Config):
         if f.metadata.get("derived"):
             continue
@@ -153,6 +154,17 @@ def parse_config(argv=None) -> Config:
     if cfg.minibatch_size % (world * cfg.micro_batch_size):
         parser.error(f"--minibatch-size ({cfg.minibatch_size}) must be a multiple of --micro-batch-size "
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
+    for name in ("lr", "value_lr", "clip"):
+        if not getattr(cfg, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be above 0 (got {getattr(cfg, name)})")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            parser.error(f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
+    if not cfg.kl_coef >= 0:
+        parser.error(f"--kl-coef must be 0 (off) or above (got {cfg.kl_coef})")
+    if cfg.estimator in ("grpo", "rloo") and cfg.samples_per_prompt < 2:
+        parser.error(f"--estimator {cfg.estimator} compares each response with the others of its problem: it needs "
+                     f"--samples-per-prompt 2 or more (got {cfg.samples_per_prompt})")
     if not cfg.eval_every_seconds >= 0:
         parser.error(f"--eval-every-seconds must be 0 (off) or above (got {cfg.eval_every_seconds})")
     if not cfg.k_ci > 0:
@@ -179,6 +191,9 @@ def parse_config(argv=None) -> Config:
     if not (cfg.step_split == "auto" or cfg.step_split.startswith("tokens:") and cfg.step_split[7:].isdigit()
             and int(cfg.step_split[7:]) > 0):
         parser.error(f"--step-split must be auto or tokens:N with N >= 1 (got {cfg.step_split!r})")
+    problem = model_problem(cfg.model)  # last: offline, a Hub id may take the Hub's 3 s check
+    if problem:
+        parser.error(f"--model {cfg.model}: {problem}")
     return cfg
 
 
