@@ -23,9 +23,9 @@ class Config:
                                 "learnable on a CPU), or a folder of your own holding train.jsonl and test.jsonl, one "
                                 '{"question": ..., "answer": <final answer>} per line ("solution" optional)')
     grader: str = arg("auto", "how responses are graded: number (the final number after '####', compared exactly: "
-                              "grader.grade_gsm8k) or math (the last \\boxed{}, by math-verify: grader.grade_math); auto: math for math, "
-                              "number for gsm8k and arith, and for a folder number if every answer in it is a plain "
-                              "number, else math", choices=["auto", "number", "math"])
+                              "grader.grade_gsm8k) or math (the last \\boxed{}, by math-verify: grader.grade_math); "
+                              "auto: math for math, number for gsm8k and arith, and for a folder number if every "
+                              "answer in it is a plain number, else math", choices=["auto", "number", "math"])
     estimator: str = arg("vine", "advantage estimator: vine (VinePPO), critic (PPO value head, GAE), grpo, rloo",
                          choices=["vine", "critic", "grpo", "rloo"])
     data_dir: str | None = arg(None, "gsm8k, math: a folder with <dataset>/{train,test}.jsonl, or hub (the Hugging "

@@ -64,7 +64,8 @@ def gold_answer(row: dict, *, dataset: str) -> str | None:
     """The gold final answer of a raw row: after '####' (gsm8k); `answer`, else the last \\boxed{} (math);
     `answer` as it is, a string or a number (custom)."""
     if dataset == "gsm8k":
-        return row["answer"].split("####")[-1].strip() if "####" in row.get("answer", "") else None
+        text = row.get("answer")
+        return text.split("####")[-1].strip() if isinstance(text, str) and "####" in text else None
     if dataset == "custom":
         answer = row.get("answer")
         return str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool) else answer
@@ -106,13 +107,14 @@ def shipped_file(dataset: str, split: str) -> Path:
     """data/<dataset>/<split>.jsonl.gz, its bytes checked against data/SHA256SUMS; a one-line error naming the file
     if it is missing or damaged."""
     path, name = SHIPPED / dataset / f"{split}.jsonl.gz", f"{dataset}/{split}.jsonl.gz"
-    sums = {file: digest for digest, file in (line.split() for line in
-                                              (SHIPPED / "SHA256SUMS").read_text().splitlines() if line.strip())}
+    listing = SHIPPED / "SHA256SUMS"
+    lines = listing.read_text().splitlines() if listing.is_file() else []
+    sums = {file: digest for digest, file in (line.split() for line in lines if line.strip())}
     if not path.is_file():
         raise SystemExit(f"error: {path}: missing from this checkout (git checkout -- data restores the shipped "
                          f"copy; or pass --data-dir DIR holding {dataset}/{split}.jsonl)")
     if hashlib.sha256(path.read_bytes()).hexdigest() != sums.get(name):
-        raise SystemExit(f"error: {path}: checksum mismatch with {SHIPPED / 'SHA256SUMS'}: the shipped copy is "
+        raise SystemExit(f"error: {path}: checksum mismatch with {listing}: the shipped copy is "
                          f"damaged (git checkout -- data restores it; or pass --data-dir DIR)")
     return path
 

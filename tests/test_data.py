@@ -49,6 +49,7 @@ def test_env_var_names_the_folder(tmp_path, monkeypatch):
     (json.dumps({"question": "q", "answer": "no final marker"}), "malformed gsm8k row"),
     (json.dumps({"answer": "#### 3"}), "malformed gsm8k row"),
     (json.dumps([1, 2]), "malformed gsm8k row"),
+    (json.dumps({"question": "q", "answer": 3}), "malformed gsm8k row"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     path = tmp_path / "gsm8k" / "train.jsonl"
