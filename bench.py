@@ -23,7 +23,6 @@ reuse_overhead=<reuse/alone> reuse_vs_naive=<naive/reuse> bf16_vs_fp32_b64=<ours
 bf16_vs_fp32_b256=<the same at 256>.
 """
 import argparse
-import os
 import time
 
 import torch
@@ -112,7 +111,8 @@ def read_bandwidth() -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--data-dir", default=os.environ.get("VINEPPO_DATA_DIR", "../shared/data"))
+    parser.add_argument("--data-dir", default=None, help="as train.py: a folder, or hub (default: $VINEPPO_DATA_DIR, "
+                        "else the shipped copy in data/)")
     parser.add_argument("--batches", default="1,8,32,64,256")
     parser.add_argument("--prompt-len", type=int, default=167)
     parser.add_argument("--new-tokens", type=int, default=64)
