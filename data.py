@@ -146,13 +146,13 @@ def hub_split(dataset: str, split: str) -> list[dict]:
         if not hub_reachable():
             raise SystemExit(f"error: {dataset}/{split}: --data-dir hub, but the Hugging Face Hub is unreachable; "
                              f"drop --data-dir for the shipped copy, or pass --data-dir DIR holding "
-                             f"{dataset}/{split}.jsonl (README: Data)")
+                             f"{dataset}/{split}.jsonl (docs/data-and-model.md)")
         try:
             rows = hub_rows(dataset=dataset, split=split)
         except Exception as e:  # no `datasets`, a moved repository, a dropped connection: all end the same way
             raise SystemExit(f"error: could not load {dataset}/{split} from the Hub ({type(e).__name__}); drop "
                              f"--data-dir for the shipped copy, or pass --data-dir DIR holding {dataset}/{split}.jsonl "
-                             f"(README: Data)") from None
+                             f"(docs/data-and-model.md)") from None
         for i, row in enumerate(rows):  # every row checked before any is cached
             to_example(row, dataset=dataset, where=f"hub:{dataset}/{split}[{i}]")
         write_cache(cached, [{field: row[field] for field in FIELDS[dataset] if field in row} for row in rows])
