@@ -10,7 +10,11 @@ Every shape takes the tokenizer's vocabulary and special tokens, so any prompt t
 The weights are drawn with std `initializer_range` 0.1 (0.2 for tiny), not the real configs' 0.02: at 0.02 attention
 is near uniform, the residual stream barely changes from one position to the next, and a greedy continuation repeats
 one token (measured: 135m and tiny), which no comparison of two decoders can tell apart. At 0.1 a greedy continuation
-of 32 tokens from the 135m shape has 32 distinct tokens, the chosen token's log-prob near -3.5.
+of 32 tokens from the 135m shape has 32 distinct tokens. The final norm's weight is LOGIT_SCALE (4), not 1, which
+scales the logits and leaves every argmax as it was: at 1 the next-token distribution over 49152 tokens is nearly
+flat (greedy log-prob -3.5 for 135m, -5.3 for tiny) and at T = 0.6 the top-p nucleus of 94-100% of the rows is wider
+than the 64 likeliest tokens, so decoding.sample_tokens would sort the whole vocabulary for them, which a trained
+model rarely makes it do; at 4 no row's nucleus is wider and the greedy log-prob is -0.4 (135m), -0.8 (tiny).
 """
 import torch
 
@@ -25,6 +29,7 @@ SHAPES = {
                  intermediate_size=128, tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
                  max_position_embeddings=2048, initializer_range=0.2),
 }
+LOGIT_SCALE = 4.0
 REAL_135M = {"vocab_size": 49152}  # what the real SmolLM2-135M config also has, beside SHAPES["135m"]
 
 
@@ -40,11 +45,15 @@ def shape_config(shape: str, *, tokenizer):
 
 
 def random_model(shape: str, *, tokenizer, device: torch.device, seed: int = 0):
-    """A LlamaForCausalLM of `shape` with random fp32 weights (transformers' own initialisation, seeded), frozen, on
-    `device`. Its generation config stops at the tokenizer's EOS, as a loaded model's does."""
+    """A LlamaForCausalLM of `shape` with random fp32 weights (transformers' own initialisation, seeded), frozen,
+    built on `device` (a 1b model is drawn in seconds on a GPU, a minute on a few cores). Its generation config stops
+    at the tokenizer's EOS, as a loaded model's does."""
     from transformers import LlamaForCausalLM
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(shape_config(shape, tokenizer=tokenizer)).to(device)
+    with torch.device(device):
+        model = LlamaForCausalLM(shape_config(shape, tokenizer=tokenizer))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(LOGIT_SCALE)  # peaked next-token distributions, as a trained model's
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
     return model.eval().requires_grad_(False)
 
