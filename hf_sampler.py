@@ -20,6 +20,13 @@ from decoding import decode_attention, decoder_forward, next_tokens, prefill_att
 from sampling import Sample, cut_at_stop, sampler_model, sync_weights
 
 
+def settle(device: torch.device):
+    """Wait for the work queued on `device` (CUDA runs asynchronously), so that `timing` gives the prefill its own
+    seconds rather than to the first decoding step that waits for it; nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class HFSampler:
     """Our decode loop (decoding.py), in fp32 or bf16, for Llama-family models; on CPU or any torch device."""
 
@@ -123,6 +130,7 @@ class HFSampler:
                              values=values[:, b0:b0 + len(chunk)])  # pad rows attend to themselves only
             hidden[b0:b0 + len(chunk), W - T:] = decoder_forward(self.model, ids=ids, positions=positions,
                                                                  attend=attend)
+        settle(device)
         return {"keys": keys, "values": values, "hidden": hidden, "lens": [len(s) for s in seqs], "width": W}
 
     def decode(self, batch, cache: dict, *, temperature: float, top_p: float, seed: int, bar=None) -> list[Sample]:
@@ -145,6 +153,7 @@ class HFSampler:
         rows = torch.tensor([key for _, _, _, key in batch], device=hidden.device)  # (B,)
         alive = list(range(B))  # batch index of each cache row still decoding
         generated, logprobs, finished = [[] for _ in batch], [[] for _ in batch], [False] * B
+        settle(hidden.device)
         self.timing["prefill_s"] += time.perf_counter() - started
         started = time.perf_counter()
         for step in range(max(budgets)):
