@@ -213,6 +213,8 @@ def main(cfg: SFTConfig):
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     source = prepare_out_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    if source is None:  # a fresh run: an old final model there is not this run's (save_final writes it anew)
+        (out_dir / "config.json").unlink(missing_ok=True)
     state = load_trainer_state(source) if source else None
     if state:
         defining = [f"--{k.replace('_', '-')} {state['config'].get(k)} -> {getattr(cfg, k)}" for k in SFT_DEFINING
