@@ -220,12 +220,13 @@ def main(cfg: SFTConfig):
         defining = [f"--{k.replace('_', '-')} {state['config'].get(k)} -> {getattr(cfg, k)}" for k in SFT_DEFINING
                     if state["config"].get(k) != getattr(cfg, k)]
         if defining:
-            raise SystemExit(f"error: --resume: flags that define the run differ from {source}'s: {'; '.join(defining)}")
+            raise SystemExit(f"error: --resume: flags that define the run differ from {source}'s: "
+                             f"{'; '.join(defining)}")
     dtype = pick_dtype(cfg.dtype, device)
     tokenizer = load_tokenizer(cfg.model)
-    train_set = load_split(cfg.dataset, "train", data_dir=cfg.data_dir, arith_ops=cfg.arith_ops, arith_max=cfg.arith_max)
-    test_set = load_split(cfg.dataset, "test", data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
-                          arith_max=cfg.arith_max)[:cfg.eval_size]
+    splits = {split: load_split(cfg.dataset, split, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
+                                arith_max=cfg.arith_max) for split in ("train", "test")}
+    train_set, test_set = splits["train"], splits["test"][:cfg.eval_size]
     pairs, cut = encode_examples(train_set, tokenizer=tokenizer, cfg=cfg)
     if len(pairs) < cfg.batch_size:
         raise SystemExit(f"error: --dataset {cfg.dataset}: {len(pairs)} train rows with a solution, fewer than "

@@ -77,7 +77,8 @@ def test_smoke_sft_then_train(tmp_path, smol_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "step 2/2 (100.0%)" in run.stdout and "tok/s" in run.stdout and "eval pass@1" in run.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[0] and "eval_accuracy" in records[2]
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert "eval_accuracy" in records[0] and "eval_accuracy" in records[2]  # before and after
     assert all(r["loss"] > 0 and r["tokens"] > 0 for r in records[1:])
     assert (out / "latest").read_text() == "ckpt-000002"
     model = AutoModelForCausalLM.from_pretrained(out)
