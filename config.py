@@ -110,10 +110,13 @@ class Config:
     task: str | None = field(default=None, metadata=dict(derived=True))  # gsm8k, math, arith, or custom: a folder
 
 
-def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+def parse_dataclass(cls, argv=None, *, description: str | None = None):
+    """(parser, an instance of the dataclass `cls` from argv): one flag per field (--some-name for some_name), its
+    help text and choices from the field's `arg`; fields marked derived are no flags. Checks and derived values are
+    the caller's, reported with parser.error."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s [flags] (--help lists every flag and its default)")
-    for f in dataclasses.fields(Config):
+    for f in dataclasses.fields(cls):
         if f.metadata.get("derived"):
             continue
         name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
@@ -124,7 +127,11 @@ def parse_config(argv=None) -> Config:
         else:  # `int | None` parses as int
             kind = next(t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None))
             parser.add_argument(name, type=kind, default=f.default, **meta)
-    cfg = Config(**vars(parser.parse_args(argv)))
+    return parser, cls(**vars(parser.parse_args(argv)))
+
+
+def parse_config(argv=None) -> Config:
+    parser, cfg = parse_dataclass(Config, argv, description=__doc__)
     # Derived values: what the data set is and how it is graded; paper sizes on a GPU, CPU sizes otherwise.
     problem = dataset_problem(cfg.dataset)
     if problem:
