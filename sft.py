@@ -183,7 +183,7 @@ def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, mi
     for a in range(0, len(pairs), micro_batch_size):
         part = pairs[a:a + micro_batch_size]
         input_ids, attention_mask, mask, P = pad_episodes([p for p, _ in part], [t for _, t in part], pad_id=pad_id)
-        logprobs, _, _ = scorer(input_ids.to(device), attention_mask.to(device), response_start=P,
+        logprobs, _, _, _ = scorer(input_ids.to(device), attention_mask.to(device), response_start=P,
                                 temperature=1.0)  # (B, R)
         loss = sft_loss(logprobs=logprobs, mask=mask.to(device)) * (len(part) / len(pairs))
         loss.backward()
