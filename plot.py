@@ -56,9 +56,22 @@ def plot_runs(paths: list[str], out: str, labels: list[str] | None = None):
     return out
 
 
-def eval_curve(records: list[dict]) -> list[tuple[float, float]]:
-    """(training minutes, pass@1) of every evaluation of a run, in order."""
-    return [(r.get("train_seconds", 0.0) / 60, r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
+def eval_curve(records: list[dict], x: str = "minutes") -> list[tuple[float, float]]:
+    """(training minutes, pass@1) of every evaluation of a run, in order; x="iteration": (iteration, pass@1)."""
+    return [(r.get("train_seconds", 0.0) / 60 if x == "minutes" else r["iteration"], r["eval_accuracy"])
+            for r in records if "eval_accuracy" in r]
+
+
+def reward_curve(records: list[dict], *, window: int = 5) -> list[tuple[float, float]]:
+    """(train reward, test pass@1) at every evaluation after the first: the mean training reward of the `window`
+    iterations up to it, against the pass@1 measured there (the paper's test-vs-train accuracy view)."""
+    out, rewards = [], []
+    for r in records:
+        if "reward_mean" in r:
+            rewards.append(r["reward_mean"])
+        if "eval_accuracy" in r and rewards:
+            out.append((sum(rewards[-window:]) / len(rewards[-window:]), r["eval_accuracy"]))
+    return out
 
 
 def held(curve: list[tuple[float, float]], t: float) -> float:
@@ -129,30 +142,46 @@ def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: st
     return "\n".join(lines)
 
 
-def bands(runs: dict[str, dict[int, list[dict]]], *, budget: float, points: int = 201) -> dict[str, list[tuple]]:
-    """Per estimator, (minute, mean, SE) over seeds of the held pass@1 curves, on one grid of training minutes. Runs
-    stop at the first iteration past the budget: the grid ends at the last final evaluation, so each band ends there."""
-    curves_of = {name: [eval_curve(records) for records in seeds.values()] for name, seeds in runs.items()}
-    end = max([budget / 60] + [c[-1][0] for curves in curves_of.values() for c in curves])
-    grid = [end * i / (points - 1) for i in range(points)]
-    return {name: [(t, *mean_se([held(c, t) for c in curves])) for t in grid] for name, curves in curves_of.items()}
+def bands(runs: dict[str, dict[int, list[dict]]], *, budget: float, points: int = 201,
+          x: str = "minutes") -> dict[str, list[tuple]]:
+    """Per estimator, (x, mean, SE) over seeds of the held pass@1 curves, on one grid of training minutes (or of
+    iterations, x="iteration"). Runs stop at the first iteration past the budget: on minutes the grid ends at the last
+    final evaluation; on iterations each estimator's band ends where its shortest seed does."""
+    curves_of = {name: [eval_curve(records, x) for records in seeds.values()] for name, seeds in runs.items()}
+    out = {}
+    for name, curves in curves_of.items():
+        end = (max([budget / 60] + [c[-1][0] for cs in curves_of.values() for c in cs]) if x == "minutes"
+               else min(c[-1][0] for c in curves))
+        grid = [end * i / (points - 1) for i in range(points)]
+        out[name] = [(t, *mean_se([held(c, t) for c in curves])) for t in grid]
+    return out
 
 
 def plot_bands(runs: dict[str, dict[int, list[dict]]], out: str, *, budget: float):
-    """pass@1 against training minutes: per estimator the mean over seeds of the held curves, +- one standard error."""
+    """Three panels: test pass@1 against iterations and against training minutes (per estimator the mean over seeds
+    of the held curves, +- one standard error), and test pass@1 against train reward (every evaluation of every
+    seed; reward_curve)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, band in bands(runs, budget=budget).items():
-        grid, mean, se = zip(*band)
-        line, = ax.plot(grid, mean, label=f"{name} ({len(runs[name])} seeds)")
-        ax.fill_between(grid, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], alpha=0.2,
-                        color=line.get_color())
-    ax.set_xlabel("training wall-clock (min)")
-    ax.set_ylabel("test pass@1 (mean ± SE over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for col, x in enumerate(("iteration", "minutes")):
+        for name, band in bands(runs, budget=budget, x=x).items():
+            grid, mean, se = zip(*band)
+            line, = axes[col].plot(grid, mean, label=f"{name} ({len(runs[name])} seeds)")
+            axes[col].fill_between(grid, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)],
+                                   alpha=0.2, color=line.get_color())
+    for name, seeds in runs.items():
+        points = [p for records in seeds.values() for p in reward_curve(records)]
+        if points:
+            axes[2].scatter(*zip(*points), s=10, alpha=0.6, label=name)
+    for ax, label in zip(axes, ("iteration", "training wall-clock (min)", "train reward (mean of the last 5 "
+                                                                         "iterations)")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("test pass@1" + (" (mean ± SE over seeds)" if ax is not axes[2] else ""))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)

@@ -1,6 +1,12 @@
 """One-command laptop replication on `arith`: estimators x seeds, identical settings, the same training wall-clock.
 
-    python replicate.py --budget 1200 --seeds 0,1,2 --out results/replication
+    python replicate.py --pipeline --budget 1200 --seeds 0,1,2,3      (the paper's pipeline: SFT, then RL)
+    python replicate.py --budget 1200 --seeds 0,1,2 --out results/replication      (one-operation arith, no SFT)
+
+--pipeline is the paper's setting at laptop scale: the instruct model is first fine-tuned on the worked solutions of
+PIPELINE_OPS-operation arith (sft.py with SFT_SETTINGS, once, into OUT/sft; the sha256 of its weights goes into every
+cell's machine.json, so a block is only continued from the same SFT model), and every RL run starts from it (its
+reference model too) on the same task, where what is left to learn is spread over the steps.
 
 Runs train.py once per (estimator, seed) with identical settings but the estimator's own flags (ESTIMATORS), each
 stopped after --budget seconds of training (evaluation excluded). Restartable run by run: a run whose final metrics
@@ -15,6 +21,7 @@ and the summary over seeds from plot.summarize_grid), and with --extras the valu
 and only summarizes, as a grid spread over sittings needs between them.
 """
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -38,6 +45,13 @@ SETTINGS = ["--dataset", "arith", "--prompts-per-iter", "4", "--samples-per-prom
 # Evaluated (and checkpointed) every 2 minutes of training, so that every estimator is measured at the same times
 # whatever its speed. --iterations only has to lie beyond what the budget allows; its warmup of 0.5% of 400 x 4
 # optimizer steps is the 8 steps of the grid's first runs (3% of 60 x 4), which evaluated every 4 iterations instead.
+PIPELINE_OPS = 4
+SFT_SETTINGS = ["--dataset", "arith", "--arith-ops", str(PIPELINE_OPS), "--max-steps", "60", "--lr", "5e-5",
+                "--batch-size", "16", "--eval-size", "200", "--eval-samples", "4", "--max-new-tokens", "128"]
+# 60 steps of 16 at lr 5e-5 (3% warmup, linear decay): docs/pipeline.md has the calibration (pass@1 after SFT in the
+# 25-60% band, first errors spread over the steps). RL on the same task, from the SFT'd model, with room for the
+# longer worked solutions; the rest as SETTINGS.
+PIPELINE_SETTINGS = ["--arith-ops", str(PIPELINE_OPS), "--max-new-tokens", "128"]
 
 
 def run_state(run_dir: Path, *, budget: float) -> str:
@@ -66,7 +80,8 @@ def describe(machine: dict | None) -> str:
     if machine is None:
         return "machine not recorded"
     units = "+".join(machine["bf16_units"]) or "no bf16 units"
-    return f"{machine['cpu']} ({units}), {machine['cpus']} CPUs, {machine['threads']} threads, {machine['dtype']}"
+    sft = f", from SFT model {machine['sft_sha256'][:12]}" if "sft_sha256" in machine else ""
+    return f"{machine['cpu']} ({units}), {machine['cpus']} CPUs, {machine['threads']} threads, {machine['dtype']}{sft}"
 
 
 def seed_machine(out: Path, seed: int) -> dict | None:
@@ -86,8 +101,24 @@ def cell_dir(out: Path, estimator: str, seed: int) -> Path:
     return out / f"{estimator}-s{seed}"
 
 
+def sft_stage(out: Path) -> tuple[Path, str]:
+    """The pipeline's SFT model: sft.py with SFT_SETTINGS into out/sft, once (resumed if it was cut off); returns its
+    folder and the sha256 of its weights (what each cell records, and its block must share)."""
+    sft_dir = out / "sft"
+    if not (sft_dir / "config.json").exists():
+        cmd = [sys.executable, "sft.py", *SFT_SETTINGS, "--out-dir", str(sft_dir),
+               "--resume" if (sft_dir / "latest").exists() else "--overwrite"]
+        print("$", " ".join(cmd), flush=True)
+        if subprocess.run(cmd, cwd=Path(__file__).parent).returncode != 0:
+            raise SystemExit("error: the SFT stage failed; see its output above")
+    digest = hashlib.sha256((sft_dir / "model.safetensors").read_bytes()).hexdigest()
+    (sft_dir / "model.sha256").write_text(digest + "\n")
+    return sft_dir, digest
+
+
 def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str], machine: dict) -> Path | None:
-    """Runs (or resumes) one cell of the grid; None when the cell belongs to a block on another machine."""
+    """Runs (or resumes) one cell of the grid; None when the cell belongs to a block on another machine (or, in the
+    pipeline, from another SFT model)."""
     run_dir = cell_dir(out, name, seed)
     state = run_state(run_dir, budget=budget)
     if state == "done":
@@ -113,17 +144,20 @@ def summarize(records: list[dict], estimator: str, seed: int) -> dict:
     trained = [r for r in records if r["iteration"] > 0]
     return {"estimator": estimator, "seed": seed, "iterations": trained[-1]["iteration"],
             "train_minutes": trained[-1]["train_seconds"] / 60, "start_pass1": evals[0][1], "final_pass1": evals[-1][1],
-            "best_pass1": max(a for _, a in evals), "final_train_reward": sum(r["reward_mean"] for r in trained[-3:]) /
+            "best_pass1": max(a for _, a in evals), "eval_se": max([r["eval_se"] for r in records if "eval_se" in r],
+                                                                   default=None), "final_train_reward": sum(r["reward_mean"] for r in trained[-3:]) /
             len(trained[-3:]), "seconds_per_iteration": trained[-1]["train_seconds"] / len(trained)}
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| estimator | seed | iterations | train min | s / iteration | pass@1 start | pass@1 end | best | "
-             "train reward (last 3) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "largest SE of one evaluation | train reward (last 3) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        se = "–" if r.get("eval_se") is None else f"{r['eval_se']:.3f}"
         lines.append(f"| {r['estimator']} | {r['seed']} | {r['iterations']} | {r['train_minutes']:.1f} | "
                      f"{r['seconds_per_iteration']:.0f} | {r['start_pass1']:.3f} | {r['final_pass1']:.3f} | "
-                     f"{r['best_pass1']:.3f} | {r['final_train_reward']:.3f} |")
+                     f"{r['best_pass1']:.3f} | {se} | {r['final_train_reward']:.3f} |")
     return "\n".join(lines)
 
 
@@ -131,15 +165,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=1200, help="training seconds per run")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds")
-    parser.add_argument("--estimators", default=",".join(ESTIMATORS), help=f"comma-separated, of {list(ESTIMATORS)}")
-    parser.add_argument("--out", default="results/replication")
+    parser.add_argument("--estimators", default=None, help=f"comma-separated, of {list(ESTIMATORS)} (default: all; "
+                                                           "with --pipeline vine,critic,grpo)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help=f"SFT first, then RL from the SFT'd model on {PIPELINE_OPS}-operation arith (default "
+                             "--out results/pipeline, --estimators vine,critic,grpo)")
+    parser.add_argument("--out", default=None, help="results folder (default results/replication; with --pipeline "
+                                                    "results/pipeline)")
     parser.add_argument("--threshold", type=float, default=0.35, help="pass@1 whose time to reach is reported")
     parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True,
                         help="also run diagnose.py on the critic run and visualize.py on the vine run")
     parser.add_argument("--redraw", action="store_true",
                         help="run nothing: only summarize and plot the finished runs in --out")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
-    out = Path(args.out)
+    out = Path(args.out or ("results/pipeline" if args.pipeline else "results/replication"))
+    args.estimators = args.estimators or ("vine,critic,grpo" if args.pipeline else ",".join(ESTIMATORS))
     unknown = [e for e in args.estimators.split(",") if e not in ESTIMATORS]
     if unknown:
         raise SystemExit(f"error: --estimators: unknown {unknown} (choose from {list(ESTIMATORS)})")
@@ -149,6 +189,11 @@ def main():
     started, rows, dirs, runs = time.time(), [], [], {}  # runs: estimator -> seed -> its metrics
     machine, machines = this_machine(), {}  # machines: seed -> the machine its block ran on
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.pipeline and not args.redraw:
+        sft_dir, machine["sft_sha256"] = sft_stage(out)
+        extra = [*PIPELINE_SETTINGS, "--model", str(sft_dir), *extra]
+    elif args.pipeline:
+        extra = [*PIPELINE_SETTINGS, "--model", str(out / "sft"), *extra]
     for seed in [] if args.redraw else seeds:
         for estimator in args.estimators.split(","):
             run(estimator, seed, budget=args.budget, out=out, extra=extra, machine=machine)
@@ -168,7 +213,8 @@ def main():
     plot_bands(runs, str(out / "curves.png"), budget=args.budget)
     plot_runs([str(d / "metrics.jsonl") for d in dirs], str(out / "runs.png"), [d.name for d in dirs])
     blocks = "; ".join(f"seed {seed}: {describe(m)}" for seed, m in machines.items())
-    text = (f"Budget {args.budget:.0f} s of training per run; settings: `{' '.join(SETTINGS + extra)}`.\n"
+    text = sft_summary(out / "sft") if args.pipeline else ""
+    text += (f"Budget {args.budget:.0f} s of training per run; settings: `{' '.join(SETTINGS + extra)}`.\n"
             f"Each seed's runs share one machine (machine.json in each run's folder): {blocks}.\n"
             f"Wall time of this invocation {(time.time() - started) / 60:.0f} min; training "
             f"compute of the grid {sum(r['train_minutes'] for r in rows):.0f} min.\n\n"
@@ -188,6 +234,20 @@ def main():
                 print(f"--extras: no {estimator} run with a checkpoint here; {script} skipped", flush=True)
                 continue
             subprocess.run([sys.executable, script, flag, str(ckpt), *options], cwd=Path(__file__).parent, check=True)
+
+
+def sft_summary(sft_dir: Path) -> str:
+    """A line on the pipeline's SFT stage from its metrics.jsonl: steps, minutes, pass@1 before and after, and where
+    the wrong samples' first wrong line fell."""
+    if not (sft_dir / "metrics.jsonl").exists():
+        return "SFT stage: no metrics here.\n"
+    records = read_metrics(sft_dir / "metrics.jsonl")
+    evals = [r for r in records if "eval_accuracy" in r]
+    last = records[-1]
+    return (f"SFT stage (`sft.py {' '.join(SFT_SETTINGS)}`): {last['iteration']} steps, "
+            f"{last.get('train_seconds', 0) / 60:.1f} min of training; pass@1 {evals[0]['eval_accuracy']:.3f} before, "
+            f"{evals[-1]['eval_accuracy']:.3f} after; first wrong line of the wrong samples "
+            f"{last.get('first_wrong_line', {})}.\n")
 
 
 def latest_checkpoint(run_dirs: list[Path]) -> Path | None:

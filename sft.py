@@ -17,6 +17,7 @@ R = target length (right-padded), T = P + R.
 import math
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -25,15 +26,14 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import (GracefulStop, append_metrics, load_trainer_state, prepare_out_dir, repair_metrics, restore,
-                        save_checkpoint)
+from checkpoint import GracefulStop, load_trainer_state, prepare_out_dir, repair_metrics, restore, save_checkpoint
 from config import arg, parse_dataclass, unwritable
 from data import dataset_problem, encode_prompt, load_split, task_of
 from grader import grader_of, is_number
 from hf_sampler import HFSampler
 from model import DEFAULT_MODEL, Scorer, load_model, load_tokenizer, model_problem, pick_device, pick_dtype
-from monitor import progress
 from ppo import pad_episodes
+from runlog import RunLog, due, stop_after_interrupt
 from train import evaluate, lr_factor
 
 
@@ -140,8 +140,12 @@ def sft_loss(*, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def sft_target(example: dict, *, tokenizer, prompt_format: str) -> list[int]:
-    """The target token ids: the worked solution, then EOS (after "Solution:" a space first, as text would have)."""
-    text = (" " if prompt_format == "sft" else "") + example["solution"].strip()
+    """The target token ids: the worked solution, then EOS. GSM8K's calculator annotations ("<<48/2=24>>") are
+    removed, as in the official SFT data. With the paper's prompt (which ends "Solution:") the solution goes on a new
+    line and ends with one, as the official response template "\\n{answer}\\n" has it; the chat template already
+    opens the assistant's turn on its own line."""
+    text = re.sub(r"<<[^<>]*>>", "", example["solution"]).strip()
+    text = f"\n{text}\n" if prompt_format == "sft" else text
     return tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
 
 
@@ -192,6 +196,32 @@ def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, mi
     optimizer.step()
     scheduler.step()
     return {"loss": total, "grad_norm": grad_norm, "tokens": tokens, "tokens_all": seen}
+
+
+def first_wrong_line(response: str, solution: str) -> int:
+    """Where a response first leaves the gold worked solution: the 1-based number of its first line (blank lines
+    skipped, spaces normalised) that differs from the gold solution's line there, or that is missing; 0 if every line
+    matches. For arith, whose solution is one operation per line, this is the step of the first arithmetic (or
+    copying) error; the last line is the "#### N" answer."""
+    ours = [" ".join(line.split()) for line in response.strip().splitlines() if line.strip()]
+    gold = [" ".join(line.split()) for line in solution.strip().splitlines() if line.strip()]
+    for i, line in enumerate(gold):
+        if i >= len(ours) or ours[i] != line:
+            return i + 1
+    return 0
+
+
+def wrong_line_counts(graded: list[tuple[dict, object, float]]) -> dict[str, int]:
+    """How many wrong samples first leave the gold solution at each line: {"1": n1, "2": n2, ...} (train.evaluate's
+    `keep` triples). A wrong sample whose lines all match the gold (only possible if it goes on after them) is
+    counted under "after"."""
+    counts = {}
+    for example, sample, correct in graded:
+        if not correct:
+            line = first_wrong_line(sample.text, example["solution"])
+            key = str(line) if line else "after"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (kv[0] == "after", int(kv[0]) if kv[0].isdigit() else 0)))
 
 
 def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
@@ -249,18 +279,19 @@ def main(cfg: SFTConfig):
                                        lrs=[cfg.lr])
         repair_metrics(out_dir / "metrics.jsonl", upto=start)
         print(f"resumed from {source} at step {start}", flush=True)
-    log = open(out_dir / "metrics.jsonl", "a")
+    runlog = RunLog(out_dir, cfg, total=total, first=start, unit="step")  # metrics.jsonl
     checkpoint = partial(save_checkpoint, out_dir, scorer=scorer, policy=policy, value_head=None, tokenizer=tokenizer,
                          optimizer=optimizer, scheduler=scheduler, cfg=cfg)
     stop, completed = GracefulStop(), start
     try:
         if start == 0:
             t0 = time.perf_counter()
-            accuracy = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
-            append_metrics(log, {"iteration": 0, "eval_accuracy": accuracy, "seconds_eval": time.perf_counter() - t0})
-            print(f"step 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples} "
-                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
-        loop_started = time.perf_counter()
+            accuracy, se = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+            runlog.write({"iteration": 0, "eval_accuracy": accuracy, "eval_se": se,
+                          "seconds_eval": time.perf_counter() - t0})
+            print(f"step 0: eval pass@1 {accuracy:.3f} ± {se:.3f} on {len(test_set)} problems x "
+                  f"{cfg.eval_samples} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        runlog.start_clock()
         for step in range(start, total):
             stop.hold()  # a signal now lets this step finish, then saves and stops
             t0, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
@@ -275,27 +306,32 @@ def main(cfg: SFTConfig):
             if completed == total:
                 sampler.sync(policy)
                 t1 = time.perf_counter()
-                record["eval_accuracy"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+                graded = []
+                record["eval_accuracy"], record["eval_se"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed,
+                                                                      keep=graded)
                 record["seconds_eval"] = time.perf_counter() - t1
-            append_metrics(log, record)
-            if completed % cfg.save_every == 0 or completed == total or stop.requested is not None:
+                if cfg.task == "arith":  # one operation per line: where the wrong samples first leave the gold
+                    record["first_wrong_line"] = wrong_line_counts(graded)
+                    print(f"first wrong line of the wrong samples (line: count): {record['first_wrong_line']}",
+                          flush=True)
+            runlog.write(record)
+            if due(completed, every=cfg.save_every, last=total, now=stop.requested is not None):
                 checkpoint(iteration=completed, python_rng=rng.getstate(), torch_rng=torch.get_rng_state(),
                            train_seconds=train_seconds)
             stop.release()
-            where = progress(done=completed, total=total, first=start, elapsed=time.perf_counter() - loop_started)
-            print(f"step {where} | loss {stats['loss']:.4f}, lr {lr:.2e}, grad norm {stats['grad_norm']:.2f}, "
-                  f"{record['tokens_per_s']:.0f} tok/s ({record['target_tokens_per_s']:.0f} target tok/s)" +
-                  (f", eval pass@1 {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""), flush=True)
+            evaluated = f", eval pass@1 {record['eval_accuracy']:.3f} ± {record['eval_se']:.3f}" if (
+                "eval_accuracy" in record) else ""
+            runlog.line(completed, f"loss {stats['loss']:.4f}, lr {lr:.2e}, grad norm {stats['grad_norm']:.2f}, "
+                                   f"{record['tokens_per_s']:.0f} tok/s ({record['target_tokens_per_s']:.0f} target "
+                                   f"tok/s){evaluated}")
             if stop.requested is not None:
                 sys.exit(stop.exit_code())
-    except KeyboardInterrupt:
-        if stop.holding:
-            print("stopped during a step: nothing saved; --resume continues from the last checkpoint", flush=True)
-        else:
-            print(f"interrupted: saving the state after step {completed}", flush=True)
-            checkpoint(iteration=completed, python_rng=rng.getstate(), torch_rng=torch.get_rng_state(),
-                       train_seconds=train_seconds)
-        sys.exit(stop.exit_code())
+    except KeyboardInterrupt:  # a second signal during a step saves nothing (its weights are half-updated)
+        stop_after_interrupt(stop, completed=completed, unit="step", save=partial(
+            checkpoint, iteration=completed, python_rng=rng.getstate(), torch_rng=torch.get_rng_state(),
+            train_seconds=train_seconds))
+    finally:
+        runlog.close()
     save_final(out_dir, policy=policy, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
 
 

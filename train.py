@@ -17,15 +17,16 @@ import torch
 
 import dist
 from advantages import critic_advantages, group_baseline_advantages, vine_advantages, whiten
-from checkpoint import (GracefulStop, append_metrics, load_trainer_state, load_value_head, pause_point, prepare_out_dir,
-                        repair_metrics, restore, save_checkpoint)
+from checkpoint import (GracefulStop, load_trainer_state, load_value_head, pause_point, prepare_out_dir, repair_metrics,
+                        restore, save_checkpoint)
 from config import Config, config_changes, parse_config
 from data import encode_prompt, load_split
 from grader import grade
-from monitor import Meter, Tracker, progress, response_steps, return_free_memory, sample_markdown
+from monitor import Meter, response_steps, return_free_memory, sample_markdown
 from model import Scorer, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
 from ppo import batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_update, sampler_mismatch, tis_weights
 from rollout import choose_sampler, make_sampler, open_vllm
+from runlog import RunLog, due, stop_after_interrupt
 from sampling import row_seed
 from values import estimate_values, step_token_starts, token_step_index
 
@@ -43,16 +44,26 @@ def mark_crossed(before: float, after: float, *, every: float) -> bool:
     return every > 0 and math.floor(after / every) > math.floor(before / every)
 
 
-def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int) -> float:
-    """pass@1: mean correctness of eval_samples samples per test problem at the eval temperature (under torchrun each
-    rank takes every world-th problem, and the mean is over all)."""
+def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int, keep: list | None = None) -> tuple[float, float]:
+    """pass@1, the mean correctness of eval_samples samples per test problem at the eval temperature, and its standard
+    error over problems (the sample standard deviation of the problems' means / sqrt(problems)). Under torchrun each
+    rank takes every world-th problem, and both are over all. `keep`, if given, gets this rank's (example, sample,
+    correct) triples, for a closer look (sft.py: where the first wrong line falls)."""
     examples = examples[dist.rank()::dist.world()]
     prompts = [encode_prompt(e["question"], dataset=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
                for e in examples]
     samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
                              max_new_tokens=cfg.max_new_tokens, seed=row_seed(seed, -1, dist.rank())) if prompts else []
-    return dist.mean([grade(s.text, e["answer"], dataset=cfg.grader, truncated=not s.finished)
-                      for e, group in zip(examples, samples) for s in group])
+    graded = [[(e, s, grade(s.text, e["answer"], dataset=cfg.grader, truncated=not s.finished)) for s in group]
+              for e, group in zip(examples, samples)]
+    if keep is not None:
+        keep.extend(triple for problem in graded for triple in problem)
+    means = [sum(c for _, _, c in problem) / len(problem) for problem in graded]  # one per problem
+    n, total, squares = dist.all_sum(torch.tensor([len(means), sum(means), sum(m * m for m in means)],
+                                                  dtype=torch.float64)).tolist()
+    mean = total / max(n, 1)
+    variance = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(max(variance, 0.0) / n) if n > 1 else 0.0
 
 
 def main(cfg: Config):
@@ -110,8 +121,7 @@ def main(cfg: Config):
     sampler.sync(policy)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir / "metrics.jsonl", "a") if rank == 0 else None  # rank 0 writes the run's files
-    tracker = Tracker(cfg.track if rank == 0 else "none", out_dir, cfg)  # a mirror of metrics.jsonl, if asked for
+    runlog = RunLog(out_dir, cfg, total=cfg.iterations, first=start, track=cfg.track)  # metrics.jsonl, --track
     checkpoint = partial(save_checkpoint, out_dir, scorer=scorer, policy=policy, value_head=value_head,
                          tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, cfg=cfg)
     stop = GracefulStop()
@@ -122,15 +132,13 @@ def main(cfg: Config):
         if start == 0:
             meter = Meter(device)
             meter.start()
-            accuracy = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+            accuracy, se = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
             meter.stop("eval")
-            record = {"iteration": 0, "eval_accuracy": accuracy, "train_seconds": 0.0, **meter.record()}
-            if rank == 0:
-                append_metrics(log, record)
-                tracker.log(record)
-            dist.print0(f"iteration 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples} "
-                        f"({meter.seconds['eval']:.0f}s)")
-        loop_started = time.perf_counter()
+            runlog.write({"iteration": 0, "eval_accuracy": accuracy, "eval_se": se, "train_seconds": 0.0,
+                          **meter.record()})
+            dist.print0(f"iteration 0: eval pass@1 {accuracy:.3f} ± {se:.3f} on {len(test_set)} problems x "
+                        f"{cfg.eval_samples} ({meter.seconds['eval']:.0f}s)")
+        runlog.start_clock()
         for it in range(start, cfg.iterations):
             meter, t0 = Meter(device), time.perf_counter()  # (completed, python_rng, torch_rng) = the state before it
             meter.start()
@@ -244,51 +252,43 @@ def main(cfg: Config):
             response_tokens = dist.all_sum(torch.tensor([sum(map(len, responses))]))[0].item()  # all ranks'
             generated = response_tokens + value_stats.get("vine_tokens", 0)
             record["tokens_per_s"] = generated / (meter.seconds["rollout"] + meter.seconds["values"])
-            evaluating = done % cfg.eval_every == 0 or done == cfg.iterations or out_of_time or on_the_clock
+            evaluating = due(done, every=cfg.eval_every, last=cfg.iterations, now=out_of_time or on_the_clock)
             if evaluating:
                 meter.start()
-                record["eval_accuracy"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+                record["eval_accuracy"], record["eval_se"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
                 meter.stop("eval")
             record.update(meter.record(), seconds=time.perf_counter() - t0,
                           comm_bytes=dist.PAYLOAD["bytes"] - payload)  # what this rank sent to collectives
-            if rank == 0:
-                append_metrics(log, record)
-                tracker.log(record)
-                if evaluating:  # two responses with the advantage each step got, for a reader of the tracker
-                    for i in (0, len(samples) - 1):
-                        steps, step_advantages = response_steps(
-                            token_ids=responses[i], text=samples[i].text, advantages=advantages[i], tokenizer=tokenizer,
-                            dataset=cfg.task, split=cfg.step_split)
-                        tracker.text(f"responses/{i}", sample_markdown(text_steps=steps, step_advantages=step_advantages,
-                                                                       reward=rewards[i], answer=answers[i]), done)
+            runlog.write(record)
+            if evaluating and runlog.writer:  # two responses with the advantage each step got, for the tracker
+                for i in (0, len(samples) - 1):
+                    steps, step_advantages = response_steps(
+                        token_ids=responses[i], text=samples[i].text, advantages=advantages[i], tokenizer=tokenizer,
+                        dataset=cfg.task, split=cfg.step_split)
+                    runlog.text(f"responses/{i}", sample_markdown(text_steps=steps, step_advantages=step_advantages,
+                                                                  reward=rewards[i], answer=answers[i]), done)
             pause_point("metrics", done)
             completed, python_rng, torch_rng = done, rng.getstate(), torch.get_rng_state()
             stopping = dist.all_sum(torch.tensor([float(stop.requested is not None)]))[0] > 0  # any rank signalled
-            if done % cfg.save_every == 0 or done == cfg.iterations or out_of_time or on_the_clock or stopping:
+            if due(done, every=cfg.save_every, last=cfg.iterations, now=out_of_time or on_the_clock or stopping):
                 checkpoint(iteration=done, python_rng=python_rng, torch_rng=torch_rng, train_seconds=train_seconds)
             if not dist.active():
                 stop.release()
-            budget_left = cfg.time_budget - train_seconds if cfg.time_budget > 0 else None
-            where = progress(done=done, total=cfg.iterations, first=start, elapsed=time.perf_counter() - loop_started,
-                             budget_left=budget_left)
-            dist.print0(f"iteration {where} | this one {record['seconds']:.0f}s, reward {record['reward_mean']:.3f}, "
-                        f"kl_ref {record.get('kl_ref', 0):.2e}, {record['tokens_per_s']:.0f} tok/s, "
-                        f"{record['mem_gb']:.1f} GB" +
-                        (f", eval {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""))
+            evaluated = f", eval {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""
+            runlog.line(done, f"this one {record['seconds']:.0f}s, reward {record['reward_mean']:.3f}, kl_ref "
+                              f"{record.get('kl_ref', 0):.2e}, {record['tokens_per_s']:.0f} tok/s, "
+                              f"{record['mem_gb']:.1f} GB{evaluated}",
+                        budget_left=cfg.time_budget - train_seconds if cfg.time_budget > 0 else None)
             if stopping:
                 sys.exit(stop.exit_code())
             if out_of_time:
                 dist.print0(f"time budget of {cfg.time_budget:.0f}s reached after {done} iterations")
                 break
-    except KeyboardInterrupt:
-        if stop.holding:  # a second signal cut an update: the weights in memory are half-updated
-            print("stopped during an update: nothing saved; --resume continues from the last checkpoint", flush=True)
-        else:
-            print(f"interrupted: saving the state after iteration {completed}", flush=True)
-            checkpoint(iteration=completed, python_rng=python_rng, torch_rng=torch_rng, train_seconds=train_seconds)
-        sys.exit(stop.exit_code())
+    except KeyboardInterrupt:  # a second signal during an update saves nothing (its weights are half-updated)
+        stop_after_interrupt(stop, completed=completed, save=partial(
+            checkpoint, iteration=completed, python_rng=python_rng, torch_rng=torch_rng, train_seconds=train_seconds))
     finally:
-        tracker.close()
+        runlog.close()
     dist.finish()
 
 

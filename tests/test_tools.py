@@ -111,6 +111,17 @@ def test_bands_end_at_each_runs_final_evaluation():
     assert [m for t, m, _ in band if t == pytest.approx(10.0)] == [pytest.approx(0.45)]  # 0.6 and 0.3 held at 10 min
 
 
+def test_bands_on_iterations_and_the_reward_view(tmp_path):
+    from plot import bands, plot_bands, reward_curve
+    runs = {"vine": {0: grid_run([(0, 0.2), (1, 0.6), (2, 0.4)]), 1: grid_run([(0, 0.2), (1, 0.3)])}}
+    band = bands(runs, budget=600, points=3, x="iteration")["vine"]  # the shortest seed ends at iteration 1
+    assert [t for t, _, _ in band] == [0.0, 0.5, 1.0] and band[-1][1:] == pytest.approx((0.45, 0.15))
+    records = [{"iteration": 0, "eval_accuracy": 0.1}] + [{"iteration": i, "reward_mean": i / 10} for i in range(1, 8)]
+    records[-1]["eval_accuracy"] = 0.5
+    assert reward_curve(records, window=5) == [(pytest.approx(0.5), 0.5)]  # (0.3 + ... + 0.7) / 5; not iteration 0
+    assert plot_bands(runs, str(tmp_path / "c.png"), budget=600) and (tmp_path / "c.png").stat().st_size > 0
+
+
 def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
     from replicate import run_state
     run_dir = tmp_path / "vine-s0"
