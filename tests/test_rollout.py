@@ -117,6 +117,9 @@ def test_gumbel_noise_is_a_pure_function_and_uniform():
     assert torch.equal(a[2:], gumbel(seed=1, rows=rows[2:], step=3, token_ids=ids[2:]))  # independent of batch
     assert not torch.equal(a, gumbel(seed=2, rows=rows, step=3, token_ids=ids))
     assert not torch.equal(a, gumbel(seed=1, rows=rows, step=4, token_ids=ids))
+    mixed = gumbel(seed=torch.tensor([1, 2, 1, 2]), rows=rows, step=torch.tensor([3, 3, 4, 3]), token_ids=ids)
+    for r, (seed, step) in enumerate([(1, 3), (2, 3), (1, 4), (2, 3)]):  # each row its own seed and step
+        assert torch.equal(mixed[r], gumbel(seed=seed, rows=rows, step=step, token_ids=ids)[r])
     u = torch.exp(-torch.exp(-a.double()))  # back to uniforms
     assert abs(u.mean().item() - 0.5) < 0.02 and abs(u.var().item() - 1 / 12) < 0.005
     counts = torch.histc(u.float(), bins=10, min=0, max=1)
