@@ -142,10 +142,12 @@ def show_progress(bar, *, tokens: int, rows: int):
 
 
 def take_tokens(sampler, schedule: Schedule, rows: list[Row], hidden: torch.Tensor, *, on_done, temperature, top_p,
-                logits, scratch, prefix_lens, budgets, bar):
+                prefix_lens, budgets, bar):
     """Sample each row's next token from its hidden state (b, hidden), at its own step; rows that finish are
     recorded, and the requests their on_done asks for are queued."""
-    device = hidden.device
+    device, V = hidden.device, sampler.model.lm_head.weight.shape[0]
+    logits = sampler.buffer("logits", (len(rows), V))  # (b, V), refilled every step
+    scratch = sampler.buffer("logits_fp32", (min(len(rows), 64), V), dtype=torch.float32)  # (chunk, V) sampling
     tokens, logprobs = next_tokens(sampler.model, hidden, rows=torch.tensor([r.key for r in rows], device=device),
                                    seed=torch.tensor([r.seed for r in rows], device=device),
                                    step=torch.tensor([len(r.ids) for r in rows], device=device),
@@ -182,14 +184,13 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
     enqueue(schedule, requests, prefix_lens=prefix_lens, budgets=budgets)
     cfg = sampler.model.config
     G = cfg.num_attention_heads // cfg.num_key_value_heads
-    B = min(sampler.batch_size, schedule.rows)  # later rounds wait for a free slot: they never need more
+    B = min(sampler.batch_size, schedule.rows)  # slots: no more than the first requests' rows (in vine_rewards a
+    # state has one round in flight at a time, so its later rounds never have more rows in flight than the first)
     cache = sampler.prefix_cache(P, W)
     suffix_keys, suffix_values = sampler.cache_views("decode_", B, max(budgets), transposed=False,
                                                      dtype=torch.float32)  # (L, B, Hkv, Ws, D) fp32 whatever
-    V = sampler.model.lm_head.weight.shape[0]
     take = partial(take_tokens, sampler, schedule, on_done=on_done, temperature=temperature, top_p=top_p,
-                   prefix_lens=prefix_lens, budgets=budgets, bar=bar, logits=sampler.buffer("logits", (B, V)),
-                   scratch=sampler.buffer("logits_fp32", (min(B, 64), V), dtype=torch.float32))  # (B, V), (64, V)
+                   prefix_lens=prefix_lens, budgets=budgets, bar=bar)
     batch, layout, device = [], None, cache["keys"].device  # batch[b]: the row in slot b of the suffix cache
     started = time.perf_counter()
     while True:
