@@ -5,14 +5,15 @@ shrinking width until its longest row ends (vines differ a lot in length: a stat
 last-state vine one line). Here, as in vLLM's scheduler, rows are admitted as others finish:
 
 - Rows wait in queues, one per distinct sequence (parent), each row a state's prefix, its budget and its noise key.
-  The longest budget goes first (a state-0 vine has the most left to write), so the long rows start early and the
-  batch's last steps are spent on short ones.
+  A free slot takes the next row of the parent with the fewest rows decoding (decode_attention pads every parent's
+  rows to the most any parent has: balanced, the padding is small), and in each parent the longest budget first
+  (a state-0 vine has the most left to write): the long rows start early, the batch's last steps go to short ones.
 - The pool: the prefill cache of up to P parents at the width W of the longest one, P x W about group_tokens (the
   static loop's bound on one prefill group, rounded up to whole parents). A parent is prefilled into a free place
-  as soon as one of its rows is queued, ahead of the decode slots' need; its place is freed once no queued or
-  running row continues it. When every parent fits (a default CPU iteration's 16 responses do), each is prefilled
-  once per call, however many rounds of vines its states get; otherwise parents are served P at a time, in prefill
-  order, and a parent whose rows come back later (the budget rule's next round) is prefilled again.
+  as soon as one of its rows is queued, ahead of the decode slots' need; once no queued or decoding row continues
+  it, it stays until its place is needed by another. When every parent fits (a default CPU iteration's 16
+  responses do), each is prefilled once per call, however many rounds of vines its states get; otherwise parents
+  are served P at a time, in prefill order, and one whose rows come back after it left is prefilled again.
 - The decode batch: B slots of the suffix cache. A slot freed by a finished row is refilled at the next step by the
   best queued row of a placed parent; the new row samples its first token from its prefix's last hidden state, its
   suffix starts empty (what the slot's last row left is masked: decoding.suffix_layout), its step at 0 and its
@@ -22,7 +23,9 @@ last-state vine one line). Here, as in vLLM's scheduler, rows are admitted as ot
 - When a request's rows are all done, on_done(request, samples) is called at once; the requests it returns join the
   queues in the same step (values.py: a state's next round of vines, with no barrier).
 
-Shapes: B = decode slots, P = pool places, W = pool width, V = vocab, hidden = the model's width.
+Shapes: B = decode slots, b = rows sampled together (those just admitted, or the live ones), P = pool places,
+W = pool width, V = vocab, hidden = the model's width, L = layers, Hkv = KV heads, Ws = the longest budget,
+D = head dim.
 """
 import heapq
 import math
@@ -60,7 +63,7 @@ class Schedule:
     window: int  # P: parents the pool holds
     queues: list[list]  # parent -> heap of (priority, request number, j, Row)
     place: dict = field(default_factory=dict)  # parent -> its place in the pool
-    free: list = field(default_factory=list)  # free places
+    free: list = field(default_factory=list)  # places no parent has taken yet
     users: list = field(default_factory=list)  # parent -> its rows queued or decoding
     open: dict = field(default_factory=dict)  # request number -> [request, rows not done, samples]
     made: int = 0  # requests so far
@@ -99,18 +102,29 @@ def enqueue(schedule: Schedule, requests: list[Request], *, prefix_lens, budgets
             heapq.heappush(schedule.queues[p], (priority, number, j, row))
 
 
-def to_prefill(schedule: Schedule) -> list[int]:
-    """Parents with queued rows that are not in the pool, best first, as many as there are free places."""
-    waiting = [p for p, queue in enumerate(schedule.queues) if queue and p not in schedule.place]
-    return sorted(waiting, key=lambda p: schedule.queues[p][0][:3])[:len(schedule.free)]
+def to_prefill(schedule: Schedule) -> list[tuple[int, int]]:
+    """(parent, place) for the parents with queued rows that are not in the pool, best first: into a free place,
+    else into the place of a parent that no queued or decoding row continues (it leaves the pool)."""
+    waiting = sorted([p for p, queue in enumerate(schedule.queues) if queue and p not in schedule.place],
+                     key=lambda p: schedule.queues[p][0][:3])
+    idle = sorted(p for p in schedule.place if schedule.users[p] == 0)
+    out = []
+    for p in waiting:
+        if not schedule.free and not idle:
+            break
+        out.append((p, schedule.free.pop(0) if schedule.free else schedule.place.pop(idle.pop(0))))
+    return out
 
 
 def next_row(schedule: Schedule) -> Row | None:
-    """The best queued row whose parent is in the pool (None if there is none), taken off its queue."""
+    """The next row to decode, taken off its queue: of the parents in the pool (in the first window), the one with
+    the fewest rows decoding, its best row. None if no queued row's parent is in the pool."""
     ready = [p for p in schedule.place if schedule.queues[p]]
     if not ready:
         return None
-    return heapq.heappop(schedule.queues[min(ready, key=lambda p: schedule.queues[p][0][:3])])[-1]
+    decoding = {p: schedule.users[p] - len(schedule.queues[p]) for p in ready}
+    best = min(ready, key=lambda p: (schedule.queues[p][0][0][0], decoding[p], schedule.queues[p][0][:3]))
+    return heapq.heappop(schedule.queues[best])[-1]
 
 
 def finish(schedule: Schedule, row: Row, sample, *, on_done) -> list[Request]:
@@ -124,13 +138,6 @@ def finish(schedule: Schedule, row: Row, sample, *, on_done) -> list[Request]:
         return []
     del schedule.open[row.request]
     return on_done(entry[0], entry[2])
-
-
-def release(schedule: Schedule):
-    """Free the places of parents that no queued or decoding row continues."""
-    for p in [p for p in schedule.place if schedule.users[p] == 0]:
-        schedule.free.append(schedule.place.pop(p))
-    schedule.free.sort()  # lowest first: the pool's occupied places stay together
 
 
 def show_progress(bar, *, tokens: int, rows: int):
@@ -162,7 +169,6 @@ def take_tokens(sampler, schedule: Schedule, rows: list[Row], hidden: torch.Tens
                                  stop_ids=sampler.stop_ids, stop_strings=sampler.stop_strings, limit=row.budget)
             enqueue(schedule, finish(schedule, row, sample, on_done=on_done), prefix_lens=prefix_lens,
                     budgets=budgets)
-    release(schedule)
     bar.total = schedule.rows
     show_progress(bar, tokens=len(rows), rows=finished)
 
@@ -187,8 +193,7 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
     B = min(sampler.batch_size, schedule.rows)  # slots: no more than the first requests' rows (in vine_rewards a
     # state has one round in flight at a time, so its later rounds never have more rows in flight than the first)
     cache = sampler.prefix_cache(P, W)
-    suffix_keys, suffix_values = sampler.cache_views("decode_", B, max(budgets), transposed=False,
-                                                     dtype=torch.float32)  # (L, B, Hkv, Ws, D) fp32 whatever
+    suffix_keys, suffix_values = sampler.suffix_cache(B, max(budgets))  # (L, B, Hkv, D, Ws), (L, B, Hkv, Ws, D)
     take = partial(take_tokens, sampler, schedule, on_done=on_done, temperature=temperature, top_p=top_p,
                    prefix_lens=prefix_lens, budgets=budgets, bar=bar)
     batch, layout, device = [], None, cache["keys"].device  # batch[b]: the row in slot b of the suffix cache
@@ -200,9 +205,9 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
         while admitted:
             if new_parents := to_prefill(schedule):
                 t0 = time.perf_counter()
-                places = [schedule.free.pop(0) for _ in new_parents]
-                sampler.prefill([parents[p][:need[p]] for p in new_parents], cache=cache, places=places)
-                schedule.place.update(zip(new_parents, places))
+                sampler.prefill([parents[p][:need[p]] for p, _ in new_parents], cache=cache,
+                                places=[place for _, place in new_parents])
+                schedule.place.update(new_parents)
                 sampler.timing["prefill_s"] += time.perf_counter() - t0
             admitted = []
             for b in [b for b, row in enumerate(batch) if row.done] + list(range(len(batch), B)):

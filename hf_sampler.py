@@ -72,6 +72,15 @@ class HFSampler:
         shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads) + ((D, width) if transposed else (width, D))
         return self.buffer(prefix + "keys", shape, dtype), self.buffer(prefix + "values", shape, dtype)
 
+    def suffix_cache(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The generated tokens' keys (L, B, Hkv, D, Ws), stored transposed, and values (L, B, Hkv, Ws, D), for
+        `batch` rows of up to `width` tokens; fp32 whatever the model's dtype (decoding.decode_attention says why)."""
+        cfg = self.model.config
+        D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rows = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads)
+        return (self.buffer("decode_keys", rows + (D, width), torch.float32),
+                self.buffer("decode_values", rows + (width, D), torch.float32))
+
     def prefix_cache(self, count: int, width: int) -> dict:
         """An empty prefill cache for `count` sequences of up to `width` tokens: keys/values (L, G, Hkv, D, W),
         hidden states (G, W, hidden), each place's sequence length (right-aligned: it ends at column W)."""
@@ -111,10 +120,11 @@ class HFSampler:
         if self.continuous:
             decode_continuous(self, sequences=sequences, prefix_lens=prefix_lens, budgets=budgets, requests=requests,
                               on_done=on_done, temperature=temperature, top_p=top_p, bar=bar)
-        while requests and not self.continuous:
-            requests = self.static_pass(sequences, prefix_lens, budgets, requests, on_done=on_done,
-                                        temperature=temperature, top_p=top_p, bar=bar)
-            bar.total += sum(r.n for r in requests)
+        else:
+            while requests:  # one pass per round of requests
+                requests = self.static_pass(sequences, prefix_lens, budgets, requests, on_done=on_done,
+                                            temperature=temperature, top_p=top_p, bar=bar)
+                bar.total += sum(r.n for r in requests)
         bar.close()
         self.buffers.clear()
         self.model.train(was_training)
@@ -185,8 +195,7 @@ class HFSampler:
         cfg, B = self.model.config, len(batch)
         G = cfg.num_attention_heads // cfg.num_key_value_heads
         slots, lens, budgets = [row[0] for row in batch], [row[1] for row in batch], [row[2] for row in batch]
-        suffix_keys, suffix_values = self.cache_views("decode_", B, max(budgets), transposed=False,
-                                                      dtype=torch.float32)  # fp32 whatever the model's dtype
+        suffix_keys, suffix_values = self.suffix_cache(B, max(budgets))  # (L, B, Hkv, D, Ws), (L, B, Hkv, Ws, D)
         V = self.model.lm_head.weight.shape[0]
         logits = self.buffer("logits", (B, V))  # (B, V), refilled every step
         scratch = self.buffer("logits_fp32", (min(B, 64), V), dtype=torch.float32)  # (chunk, V) sampling in fp32

@@ -125,8 +125,8 @@ def test_decode_attention_equals_plain_softmax_attention(dtype, tol, shared, rag
     keys = torch.randn(L, len(seq_lens), Hkv, D, W, generator=g).to(dtype)  # right-aligned, transposed cache
     values = torch.randn(L, len(seq_lens), Hkv, D, W, generator=g).to(dtype)
     cache = {"keys": keys, "values": values, "lens": seq_lens, "width": W}
-    suffix_keys = torch.randn(L, B, Hkv, 8, D, generator=g)  # fp32 whatever the model's dtype; past a row's step:
-    suffix_values = torch.randn(L, B, Hkv, 8, D, generator=g)  # what an earlier row of the slot left, never read
+    suffix_keys = torch.randn(L, B, Hkv, D, 8, generator=g)  # transposed; fp32 whatever the model's dtype. Past a
+    suffix_values = torch.randn(L, B, Hkv, 8, D, generator=g)  # row's step: what an earlier row left, never read
     layout = prefix_layout(slots=slots, lens=lens, cache=cache, heads_per_kv=G)
     q = torch.randn(B, Hkv * G, 1, D, generator=g).to(dtype)
     k, v = (torch.randn(B, Hkv, 1, D, generator=g).to(dtype) for _ in range(2))
@@ -137,10 +137,10 @@ def test_decode_attention_equals_plain_softmax_attention(dtype, tol, shared, rag
         assert out.dtype == dtype and out.shape == (B, Hkv * G, 1, D)
         for r in range(B):
             s, start, step = slots[r], W - seq_lens[slots[r]], steps[r]
-            torch.testing.assert_close(suffix_keys[layer, r, :, step], k[r, :, 0].float())  # written at its step
+            torch.testing.assert_close(suffix_keys[layer, r, :, :, step], k[r, :, 0].float())  # written at its step
             pk = keys[layer, s, :, :, start:start + lens[r]].permute(2, 0, 1)  # (n, Hkv, D)
             pv = values[layer, s, :, :, start:start + lens[r]].permute(2, 0, 1)
-            all_k = torch.cat([pk, suffix_keys[layer, r, :, :step + 1].transpose(0, 1)])
+            all_k = torch.cat([pk, suffix_keys[layer, r, :, :, :step + 1].permute(2, 0, 1)])
             all_v = torch.cat([pv, suffix_values[layer, r, :, :step + 1].transpose(0, 1)])
             torch.testing.assert_close(out[r, :, 0].float(), naive_attention(q[r, :, 0], all_k, all_v),
                                        atol=tol, rtol=tol)
