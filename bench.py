@@ -3,6 +3,11 @@ VinePPO pattern.
 
     python bench.py                      # a few minutes on a 2-core CPU
     python bench.py --batches 1,8,64     # a subset
+    python bench.py --device cuda --shape 1b --tokenizer DIR --dataset arith --json b.json   # random ~1.1B, on a GPU
+
+--shape 135m|1b|tiny benches a random-weight model of that shape (shapes.py: speed and memory only, its text is
+gibberish), which needs only a tokenizer (--tokenizer, default --model). --dataset arith takes the prompts from the
+generated arith problems, which need no data files. On CUDA every timer waits for the GPU's queued work first.
 
 1. The limit. A generated token costs one pass through every weight matrix (~0.27 GFLOP for SmolLM2-135M). We time
    exactly those matmuls at batch b on this machine; limit(b) = b / (time of one decode step's matmuls). It leaves
@@ -29,10 +34,13 @@ The last line: speedup_b64=<ours/generate, decode, at 64> frac_b256=<ours decode
 reuse_overhead=<reuse/alone> reuse_vs_naive=<naive/reuse> bf16_vs_fp32_b64=<ours bf16/ours fp32, decode, at 64>
 bf16_vs_fp32_b256=<the same at 256> continuous_vs_static=<static seconds/continuous seconds, real vines, bf16>
 adaptive_vs_fixed_seconds=<adaptive 0.45 seconds/fixed K = 9 seconds, continuous, bf16, the same states>.
+Every figure also goes to --json PATH, with the peak memory of each run (GB: the resident high-water mark on a CPU,
+torch.cuda.max_memory_allocated on CUDA; monitor.peak_memory_gb).
 """
-import random
 import argparse
+import json
 import os
+import random
 import time
 
 import torch
@@ -42,68 +50,84 @@ from data import encode_prompt, load_split
 from grader import grade
 from model import DEFAULT_MODEL, load_model, load_tokenizer
 from hf_sampler import HFSampler
+from monitor import peak_memory_gb, reset_peak_memory
 from sampling import row_seed
+from shapes import SHAPES, random_model
 from values import estimate_values, step_token_starts
 
 
-def best_time(fn, repeats: int = 3) -> float:
+def wait(device: torch.device):
+    """Let the device finish its queued work (CUDA runs asynchronously); nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn, repeats: int = 3, device: torch.device = torch.device("cpu")) -> float:
     best = float("inf")
     for _ in range(repeats):
+        wait(device)
         start = time.perf_counter()
         fn()
+        wait(device)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def matmul_gflops(m: int, k: int, n: int) -> float:
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def matmul_gflops(m: int, k: int, n: int, device: torch.device = torch.device("cpu")) -> float:
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
     reps = max(1, int(2e9 / (2 * m * k * n)))  # about 2 GFLOP per timing
-    seconds = best_time(lambda: [torch.mm(a, b) for _ in range(reps)])
+    seconds = best_time(lambda: [torch.mm(a, b) for _ in range(reps)], device=device)
     return 2 * m * k * n * reps / seconds / 1e9
 
 
 def decode_step_matmul_seconds(model, batch: int) -> tuple[float, float]:
-    """(seconds, GFLOP) of one decode step's weight matmuls at `batch` rows: every Linear of every layer + lm_head."""
+    """(seconds, GFLOP) of one decode step's weight matmuls at `batch` rows: every Linear of every layer + lm_head,
+    in fp32 on the model's device."""
     shapes = [tuple(m.weight.shape) for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
-    layer = sum(2 * batch * i * o / (matmul_gflops(batch, i, o) * 1e9) for o, i in shapes)
+    layer = sum(2 * batch * i * o / (matmul_gflops(batch, i, o, model.device) * 1e9) for o, i in shapes)
     head_out, head_in = model.lm_head.weight.shape
-    head = 2 * batch * head_in * head_out / (matmul_gflops(batch, head_in, head_out) * 1e9)
+    head = 2 * batch * head_in * head_out / (matmul_gflops(batch, head_in, head_out, model.device) * 1e9)
     flops = 2 * batch * (len(model.model.layers) * sum(o * i for o, i in shapes) + head_in * head_out) / 1e9
     return len(model.model.layers) * layer + head, flops
 
 
-def bench_prompts(tokenizer, count: int, length: int, data_dir) -> list[list[int]]:
-    """`count` distinct prompts of exactly `length` tokens, cut from real GSM8K chat prompts."""
-    questions = [e["question"] for e in load_split("gsm8k", "train", data_dir=data_dir)]
+def bench_prompts(tokenizer, count: int, length: int, data_dir, dataset: str = "gsm8k") -> list[list[int]]:
+    """`count` distinct prompts of exactly `length` tokens, cut from real GSM8K (or generated arith) chat prompts."""
+    questions = [e["question"] for e in load_split(dataset, "train", data_dir=data_dir)]
     prompts, i = [], 0
     while len(prompts) < count:
         text, ids = "", []
         while len(ids) < length:
             text, i = text + " " + questions[i], i + 1
-            ids = encode_prompt(text, dataset="gsm8k", tokenizer=tokenizer)
+            ids = encode_prompt(text, dataset=dataset, tokenizer=tokenizer)
         prompts.append(ids[-length:])  # keep the end: the prompt still closes with the assistant tag
     return prompts
 
 
 class FirstTokenClock(LogitsProcessor):
-    """Notes when `generate` first asks for logits processing: the prompt's prefill is done then."""
+    """Notes when `generate` first asks for logits processing: the prompt's prefill is done then (on CUDA once the
+    queued prefill has run: the first call waits for it)."""
     def __init__(self):
         self.first = None
 
     def __call__(self, input_ids, scores):
-        self.first = self.first or time.perf_counter()
+        if self.first is None:
+            wait(scores.device)
+            self.first = time.perf_counter()
         return scores
 
 
 def run_generate(model, prompts, new_tokens: int) -> tuple[float, float]:
     """(total seconds, seconds from the first sampled token on)."""
-    ids, clock = torch.tensor(prompts), FirstTokenClock()
+    ids, clock = torch.tensor(prompts, device=model.device), FirstTokenClock()
     torch.manual_seed(0)
+    wait(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.6,
                        top_p=0.9, top_k=None, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+    wait(model.device)
     end = time.perf_counter()
     return end - start, end - clock.first
 
@@ -115,10 +139,37 @@ def run_ours(sampler, prompts, new_tokens: int) -> tuple[float, float]:
     return time.perf_counter() - start, sampler.timing["decode_s"]
 
 
-def read_bandwidth() -> float:
+def read_bandwidth(device: torch.device = torch.device("cpu")) -> float:
     """GB/s of streaming a 1 GiB tensor: what the attention's KV-cache reads run against."""
-    x = torch.ones(2 ** 28)
-    return 4 * x.numel() / best_time(lambda: x.sum()) / 1e9
+    x = torch.ones(2 ** 28, device=device)
+    return 4 * x.numel() / best_time(lambda: x.sum(), device=device) / 1e9
+
+
+def peak_gb(fn, device: torch.device):
+    """(fn's result, the peak memory in GB while it ran: resident on a CPU, allocated by torch on CUDA)."""
+    reset_peak_memory(device)
+    result = fn()
+    wait(device)
+    return result, round(peak_memory_gb(device), 3)
+
+
+def speed_table(reports: list[dict]) -> str:
+    """A markdown table of --json reports (one per model): decode tokens/s and peak GB per batch, then the vines."""
+    lines = ["| model | device | batch | generate tok/s | ours fp32 | ours bf16 | ours fp32 / generate | bf16 / fp32 | "
+             "peak GB generate / ours / bf16 |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in reports:
+        for b, x in r["batches"].items():
+            lines.append(f"| {r['model']} | {r['device_name']} | {b} | {x['generate']:.0f} | {x['ours']:.0f} | "
+                         f"{x['ours_bf16']:.0f} | {x['ours'] / x['generate']:.2f}x | {x['ours_bf16'] / x['ours']:.2f}x | "
+                         f"{x['peak_gb_generate']:.2f} / {x['peak_gb_ours']:.2f} / {x['peak_gb_ours_bf16']:.2f} |")
+    lines += ["", "| model | vine tokens | naive s | prefix reuse s (decode) | reuse bf16 s | 1-token prompts s | "
+              "peak GB naive / reuse / bf16 |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in reports:
+        v = r["vines"]
+        lines.append(f"| {r['model']} | {v['tokens']} | {v['naive_s']:.2f} | {v['reuse_s']:.2f} "
+                     f"({v['reuse_decode_s']:.2f}) | {v['reuse_bf16_s']:.2f} | {v['alone_s']:.2f} | "
+                     f"{v['peak_gb_naive']:.2f} / {v['peak_gb_reuse']:.2f} / {v['peak_gb_reuse_bf16']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def vine_iteration(sampler, tokenizer, *, data_dir, prompts: int, samples: int, max_new_tokens: int,
@@ -179,7 +230,8 @@ def real_vines(model, tokenizer, args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--data-dir", default=os.environ.get("VINEPPO_DATA_DIR", "../shared/data"))
+    parser.add_argument("--data-dir", default=None, help="as train.py: a folder, or hub (default: $VINEPPO_DATA_DIR, "
+                        "else the shipped copy in data/)")
     parser.add_argument("--batches", default="1,8,32,64,256")
     parser.add_argument("--prompt-len", type=int, default=167)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -190,21 +242,41 @@ def main():
     parser.add_argument("--vine-max-new-tokens", type=int, default=192)
     parser.add_argument("--gen-batch-size", type=int, default=256)
     parser.add_argument("--only-vines", action="store_true", help="section 5 (real vines) alone")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", choices=list(SHAPES), help="bench a random-weight model of this shape, not --model")
+    parser.add_argument("--tokenizer", help="the tokenizer's folder or id (default: --model)")
+    parser.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "arith"], help="where the prompts come from")
+    parser.add_argument("--json", help="also write every figure to this file")
+    parser.add_argument("--vine-k", type=int, default=8, help="vines per state in the VinePPO pattern")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: torch sees no CUDA device")
     torch.set_num_threads(args.threads)
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, device=torch.device("cpu"), dtype=torch.float32, frozen=True)
+    device = torch.device(args.device)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    if args.shape:
+        model = random_model(args.shape, tokenizer=tokenizer, device=device)
+    else:
+        model = load_model(args.model, device=device, dtype=torch.float32, frozen=True)
     if args.only_vines:
         print(" ".join(f"{k}={v:.2f}" for k, v in real_vines(model, tokenizer, args).items()))
         return
     sampler = HFSampler(model, tokenizer, batch_size=256)
     bf16 = HFSampler(model, tokenizer, batch_size=256, dtype=torch.bfloat16)
     sampler.stop_ids = bf16.stop_ids = set()  # no EOS: every row generates exactly the tokens asked for
-    print(f"threads {args.threads}; matmul 1024^3: {matmul_gflops(1024, 1024, 1024):.0f} GFLOP/s", flush=True)
+    prompts_of = lambda count: bench_prompts(tokenizer, count, args.prompt_len, args.data_dir, args.dataset)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"threads {args.threads}"
+    params = sum(p.numel() for p in model.parameters())
+    report = {"device": args.device, "device_name": name, "model": args.shape or args.model, "params": params,
+              "torch": torch.__version__, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "matmul_gflops_1024": matmul_gflops(1024, 1024, 1024, device), "batches": {}}
+    print(f"{name}; matmul 1024^3: {report['matmul_gflops_1024']:.0f} GFLOP/s"
+          + (f"; {args.shape}: random weights, {params / 1e6:.0f}M parameters" if args.shape else ""), flush=True)
 
-    bandwidth, cfg = read_bandwidth(), model.config
+    bandwidth, cfg = read_bandwidth(device), model.config
     kv_bytes_per_position = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (
         cfg.hidden_size // cfg.num_attention_heads) * 4
+    report["read_gb_s"] = bandwidth
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s", flush=True)
     results = {}
     for b in [int(x) for x in args.batches.split(",")]:
@@ -212,58 +284,78 @@ def main():
         limit = b / step_seconds
         context = args.prompt_len + args.new_tokens / 2  # mean positions attended per generated token
         floor = b / (step_seconds + b * context * kv_bytes_per_position / (bandwidth * 1e9))
-        prompts = bench_prompts(tokenizer, b, args.prompt_len, args.data_dir)
+        prompts = prompts_of(b)
         tokens = b * args.new_tokens
-        gen_total, gen_decode = run_generate(model, prompts, args.new_tokens)
-        ours_total, ours_decode = run_ours(sampler, prompts, args.new_tokens)
-        bf16_total, bf16_decode = run_ours(bf16, prompts, args.new_tokens)
+        (gen_total, gen_decode), gen_gb = peak_gb(lambda: run_generate(model, prompts, args.new_tokens), device)
+        (ours_total, ours_decode), ours_gb = peak_gb(lambda: run_ours(sampler, prompts, args.new_tokens), device)
+        (bf16_total, bf16_decode), bf16_gb = peak_gb(lambda: run_ours(bf16, prompts, args.new_tokens), device)
         gen, ours = tokens / gen_decode, tokens / ours_decode
         results[b] = (gen, ours, limit, tokens / bf16_decode)
+        report["batches"][b] = {
+            "limit": limit, "limit_kv": floor, "generate": gen, "ours": ours, "ours_bf16": tokens / bf16_decode,
+            "generate_e2e": tokens / gen_total, "ours_e2e": tokens / ours_total, "ours_bf16_e2e": tokens / bf16_total,
+            "peak_gb_generate": gen_gb, "peak_gb_ours": ours_gb, "peak_gb_ours_bf16": bf16_gb}
         print(f"batch {b:4d}: limit {limit:6.1f} tok/s ({gflop / b:.3f} GFLOP/token at {gflop / step_seconds:5.1f} "
               f"GFLOP/s; with KV reads {floor:6.1f}) | decode: generate {gen:6.1f} ({gen / limit:4.0%}), ours "
               f"{ours:6.1f} ({ours / limit:4.0%}), {ours / gen:4.2f}x | e2e: generate {tokens / gen_total:6.1f}, "
               f"ours {tokens / ours_total:6.1f}, {gen_total / ours_total:4.2f}x | bf16: decode {tokens / bf16_decode:6.1f} "
               f"({ours_decode / bf16_decode:4.2f}x fp32), e2e {tokens / bf16_total:6.1f} "
-              f"({ours_total / bf16_total:4.2f}x)", flush=True)
+              f"({ours_total / bf16_total:4.2f}x) | peak GB: generate {gen_gb:.2f}, ours {ours_gb:.2f}, "
+              f"bf16 {bf16_gb:.2f}", flush=True)
 
     # The VinePPO pattern: 8 responses x 4 states x K = 8 vines x 64 tokens.
-    K, vine_tokens, starts = 8, 64, [0, 62, 125, 187]
-    prompts = bench_prompts(tokenizer, 8, args.prompt_len, args.data_dir)
-    filler = tokenizer(" ".join(e["solution"] for e in load_split("gsm8k", "test", data_dir=args.data_dir)[:40]),
-                       add_special_tokens=False).input_ids
+    K, vine_tokens, starts = args.vine_k, 64, [0, 62, 125, 187]
+    prompts = prompts_of(8)
+    solutions, count = [e["solution"] for e in load_split(args.dataset, "test", data_dir=args.data_dir)], 40
+    filler = tokenizer(" ".join(solutions[:count]), add_special_tokens=False).input_ids
+    while len(filler) < 8 * 250 and count < len(solutions):  # arith's solutions are short; GSM8K's 40 suffice
+        count += 40
+        filler = tokenizer(" ".join(solutions[:count]), add_special_tokens=False).input_ids
     sequences = [p + filler[i * 250:(i + 1) * 250] for i, p in enumerate(prompts)]
     seqs = [s for s in sequences for _ in starts]
     lens = [len(p) + st for p in prompts for st in starts]
     kwargs = dict(temperature=0.6, top_p=0.9, max_new_tokens=vine_tokens, seed=0)
-    reuse = best_time(lambda: sampler.sample_prefixes(seqs, lens, n=K, **kwargs), repeats=1)
+    timed = lambda fn: peak_gb(lambda: best_time(fn, repeats=1, device=device), device)
+    reuse, reuse_gb = timed(lambda: sampler.sample_prefixes(seqs, lens, n=K, **kwargs))
     reuse_decode = sampler.timing["decode_s"]
     sampler.reuse_prefixes = False  # every vine prefilled from scratch
-    naive = best_time(lambda: sampler.sample([s[:L] for s, L in zip(seqs, lens) for _ in range(K)], n=1, **kwargs),
-                      repeats=1)
+    naive, naive_gb = timed(lambda: sampler.sample([s[:L] for s, L in zip(seqs, lens) for _ in range(K)], n=1,
+                                                   **kwargs))
     sampler.reuse_prefixes = True
-    alone = best_time(lambda: sampler.sample([[s[0]] for s in seqs], n=K, **kwargs), repeats=1)
-    reuse_bf16 = best_time(lambda: bf16.sample_prefixes(seqs, lens, n=K, **kwargs), repeats=1)
+    alone, _ = timed(lambda: sampler.sample([[s[0]] for s in seqs], n=K, **kwargs))
+    reuse_bf16, reuse_bf16_gb = timed(lambda: bf16.sample_prefixes(seqs, lens, n=K, **kwargs))
     total = len(seqs) * K * vine_tokens
+    report["vines"] = {"tokens": total, "naive_s": naive, "reuse_s": reuse, "reuse_decode_s": reuse_decode,
+                       "alone_s": alone, "reuse_bf16_s": reuse_bf16, "peak_gb_naive": naive_gb,
+                       "peak_gb_reuse": reuse_gb, "peak_gb_reuse_bf16": reuse_bf16_gb}
     print(f"vine pattern ({len(seqs)} states x K={K} x {vine_tokens} tokens = {total} tokens): naive {naive:.1f}s, "
           f"prefix reuse {reuse:.1f}s (prefill {reuse - reuse_decode:.1f}s + decode {reuse_decode:.1f}s), the same "
           f"tokens from a 1-token prompt {alone:.1f}s; prefix reuse in bf16 {reuse_bf16:.1f}s "
-          f"({reuse / reuse_bf16:.2f}x fp32)", flush=True)
+          f"({reuse / reuse_bf16:.2f}x fp32) | peak GB: naive {naive_gb:.2f}, reuse {reuse_gb:.2f}, "
+          f"reuse bf16 {reuse_bf16_gb:.2f}", flush=True)
 
     # Greedy agreement of the bf16 sampler with the fp32 one.
-    prompts = bench_prompts(tokenizer, args.agree_prompts, args.prompt_len, args.data_dir)
+    prompts = prompts_of(args.agree_prompts)
     kwargs = dict(n=1, temperature=0.0, top_p=1.0, max_new_tokens=64)
     agree = [next((i for i, (x, y) in enumerate(zip(a[0].token_ids, b[0].token_ids)) if x != y), 64)
              for a, b in zip(sampler.sample(prompts, **kwargs), bf16.sample(prompts, **kwargs))]
+    report["greedy_bf16_vs_fp32"] = sorted(agree)
     print(f"greedy bf16 vs fp32, 64 tokens from {len(agree)} prompts: leading tokens in agreement {sorted(agree)} "
           f"(median {sorted(agree)[len(agree) // 2]}, all 64 in {agree.count(64)})", flush=True)
 
     real = real_vines(model, tokenizer, args)
+    report["real_vines"] = real
     line = f"reuse_overhead={reuse / alone:.2f} reuse_vs_naive={naive / reuse:.2f}"
     if 64 in results and 256 in results:
         line = f"speedup_b64={results[64][1] / results[64][0]:.2f} frac_b256={results[256][1] / results[256][2]:.2f} " + line
         line += (f" bf16_vs_fp32_b64={results[64][3] / results[64][1]:.2f} "
                  f"bf16_vs_fp32_b256={results[256][3] / results[256][1]:.2f}")
-    print(line + "".join(f" {k}={v:.2f}" for k, v in real.items()))
+    line += "".join(f" {k}={v:.2f}" for k, v in real.items())
+    print(line)
+    if args.json:
+        report["summary"] = line
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

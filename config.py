@@ -7,7 +7,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model import DEFAULT_MODEL, pick_device
+from data import SPLITS, dataset_problem, load_split, task_of
+from grader import grader_of, is_number
+from model import DEFAULT_MODEL, model_problem, pick_device
 from monitor import TRACKERS, tracker_missing
 
 
@@ -17,18 +19,24 @@ def arg(default, help, **kwargs):
 
 @dataclass
 class Config:
-    dataset: str = arg("gsm8k", "task (arith: generated arithmetic word problems, learnable on a CPU)",
-                       choices=["gsm8k", "math", "arith"])
+    dataset: str = arg("gsm8k", "gsm8k, math (both shipped in data/), arith (generated arithmetic word problems, "
+                                "learnable on a CPU), or a folder of your own holding train.jsonl and test.jsonl, one "
+                                '{"question": ..., "answer": <final answer>} per line ("solution" optional)')
+    grader: str = arg("auto", "how responses are graded: number (the final number after '####', compared exactly: "
+                              "grader.grade_gsm8k) or math (the last \\boxed{}, by math-verify: grader.grade_math); "
+                              "auto: math for math, number for gsm8k and arith, and for a folder number if every "
+                              "answer in it is a plain number, else math", choices=["auto", "number", "math"])
     estimator: str = arg("vine", "advantage estimator: vine (VinePPO), critic (PPO value head, GAE), grpo, rloo",
                          choices=["vine", "critic", "grpo", "rloo"])
-    data_dir: str | None = arg(None, "folder with <dataset>/{train,test}.jsonl (else $VINEPPO_DATA_DIR, else the Hub)")
-    model: str = arg(DEFAULT_MODEL, "Hub id, local HF folder or .gguf file")
+    data_dir: str | None = arg(None, "gsm8k, math: a folder with <dataset>/{train,test}.jsonl, or hub (the Hugging "
+                                     "Face Hub's copies); else $VINEPPO_DATA_DIR, else the copy shipped in data/")
+    model: str = arg(DEFAULT_MODEL, "Hub id (offline: from the Hugging Face cache), local HF folder or .gguf file")
     prompt_format: str = arg("chat", "chat: the model's chat template; sft: the paper's '[MATH_TASK] Problem:' format",
                              choices=["chat", "sft"])
     out_dir: str | None = arg(None, "where metrics.jsonl and checkpoints go (default "
-                                    "runs/<dataset>-<estimator>-k<K>-s<seed>)")
+                                    "runs/<dataset>-<estimator>-k<K>-s<seed>, a folder --dataset by its name)")
     seed: int = arg(0, "random seed (prompt order, sampling, minibatches)")
-    iterations: int | None = arg(None, "PPO iterations (paper: 650 gsm8k, 1000 math; arith: 200)")
+    iterations: int | None = arg(None, "PPO iterations (paper: 650 gsm8k, 1000 math; arith: 200; a folder: 650)")
     time_budget: float = arg(0.0, "stop once this many seconds of training (evaluation excluded) have passed; 0: none")
     arith_ops: int = arg(1, "arith: operations per problem (1: the base model starts near 17%% pass@1; 2: near 2%%)")
     arith_max: int = arg(20, "arith: largest starting number / addend")
@@ -61,9 +69,10 @@ class Config:
     value_clip: float = arg(0.2, "critic: value clipping range")
     value_lr: float | None = arg(None, "critic: learning rate of the value head (default: --lr)")
     whiten: bool = arg(True, "normalise advantages over the batch")
-    max_value_steps: int | None = arg(None, "estimate at most this many states per response (default: 25 gsm8k, "
-                                            "no cap math; 0 = no cap)")
-    step_split: str = arg("auto", "auto: the dataset's text rule; tokens:N: a step every N tokens")
+    max_value_steps: int | None = arg(None, "estimate at most this many states per response (default: no cap "
+                                            "for math, 25 otherwise; 0 = no cap)")
+    step_split: str = arg("auto", "auto: the dataset's text rule (math: sentences and math spans; gsm8k, arith and a "
+                                  "folder: lines); tokens:N: a step every N tokens")
     eval_every: int = arg(10, "evaluate every this many iterations (and before the first, and after the last)")
     eval_every_seconds: float = arg(0.0, "also evaluate, and checkpoint, each time training passes a multiple of "
                                          "this many seconds (evaluation excluded); 0: off")
@@ -97,11 +106,19 @@ class Config:
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
     fsdp: bool = arg(False, "under torchrun: shard weights, gradients and AdamW's state over ranks with FSDP2 "
                             "(off: DDP, every rank holds them all)")
+    # Derived from --dataset by parse_config, not a flag: whose rules apply (data source, step splitting, defaults).
+    task: str | None = field(default=None, metadata=dict(derived=True))  # gsm8k, math, arith, or custom: a folder
 
 
-def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in dataclasses.fields(Config):
+def parse_dataclass(cls, argv=None, *, description: str | None = None):
+    """(parser, an instance of the dataclass `cls` from argv): one flag per field (--some-name for some_name), its
+    help text and choices from the field's `arg`; fields marked derived are no flags. Checks and derived values are
+    the caller's, reported with parser.error."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s [flags] (--help lists every flag and its default)")
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("derived"):
+            continue
         name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
         if f.default is not None:  # None defaults say in their text what they become
             meta["help"] += " (default: %(default)s)"
@@ -110,15 +127,28 @@ def parse_config(argv=None) -> Config:
         else:  # `int | None` parses as int
             kind = next(t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None))
             parser.add_argument(name, type=kind, default=f.default, **meta)
-    cfg = Config(**vars(parser.parse_args(argv)))
-    # Derived values: paper sizes on a GPU, CPU sizes otherwise.
+    return parser, cls(**vars(parser.parse_args(argv)))
+
+
+def parse_config(argv=None) -> Config:
+    parser, cfg = parse_dataclass(Config, argv, description=__doc__)
+    # Derived values: what the data set is and how it is graded; paper sizes on a GPU, CPU sizes otherwise.
+    problem = dataset_problem(cfg.dataset)
+    if problem:
+        parser.error(f"--dataset {cfg.dataset}: {problem}")
+    cfg.task = task_of(cfg.dataset)
+    if cfg.grader == "auto" and cfg.task == "custom":  # reads the folder: a malformed row stops here, as file:line
+        answers = [e["answer"] for split in SPLITS for e in load_split(cfg.dataset, split)]
+        cfg.grader = "number" if all(map(is_number, answers)) else "math"
+    elif cfg.grader == "auto":
+        cfg.grader = grader_of(cfg.task)
     gpu = pick_device(cfg.device).type == "cuda"
     for name, paper, cpu in (("prompts_per_iter", 64, 4), ("samples_per_prompt", 8, 4), ("max_new_tokens", 1024, 192),
                              ("minibatch_size", 64, 8), ("micro_batch_size", 8, 2), ("eval_samples", 16, 4)):
         if getattr(cfg, name) is None:
             setattr(cfg, name, paper if gpu else cpu)
     if cfg.iterations is None:
-        cfg.iterations = {"gsm8k": 650, "math": 1000, "arith": 200}[cfg.dataset]
+        cfg.iterations = {"gsm8k": 650, "math": 1000, "arith": 200, "custom": 650}[cfg.task]
     if cfg.lam is None:
         cfg.lam = 1.0 if cfg.estimator == "critic" else 0.0
     cfg.value_lr = cfg.lr if cfg.value_lr is None else cfg.value_lr
@@ -127,8 +157,9 @@ def parse_config(argv=None) -> Config:
     if cfg.vllm_max_batched_tokens is None:
         cfg.vllm_max_batched_tokens = 4096 if gpu else 65536
     if cfg.max_value_steps is None:
-        cfg.max_value_steps = 0 if cfg.dataset == "math" else 25
-    cfg.out_dir = cfg.out_dir or f"runs/{cfg.dataset}-{cfg.estimator}-k{cfg.k}-s{cfg.seed}"
+        cfg.max_value_steps = 0 if cfg.task == "math" else 25
+    stem = Path(cfg.dataset).expanduser().resolve().name if cfg.task == "custom" else cfg.dataset
+    cfg.out_dir = cfg.out_dir or f"runs/{stem}-{cfg.estimator}-k{cfg.k}-s{cfg.seed}"
     for name in ("iterations", "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "k", "epochs", "arith_ops",
                  "arith_max", "k_round", "k_max", "minibatch_size", "micro_batch_size", "eval_every", "eval_size",
                  "eval_samples", "save_every", "gen_batch_size"):
@@ -140,6 +171,17 @@ def parse_config(argv=None) -> Config:
     if cfg.minibatch_size % (world * cfg.micro_batch_size):
         parser.error(f"--minibatch-size ({cfg.minibatch_size}) must be a multiple of --micro-batch-size "
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
+    for name in ("lr", "value_lr", "clip"):
+        if not getattr(cfg, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be above 0 (got {getattr(cfg, name)})")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            parser.error(f"--{name} must be in [0, 1] (got {getattr(cfg, name)})")
+    if not cfg.kl_coef >= 0:
+        parser.error(f"--kl-coef must be 0 (off) or above (got {cfg.kl_coef})")
+    if cfg.estimator in ("grpo", "rloo") and cfg.samples_per_prompt < 2:
+        parser.error(f"--estimator {cfg.estimator} compares each response with the others of its problem: it needs "
+                     f"--samples-per-prompt 2 or more (got {cfg.samples_per_prompt})")
     if not cfg.eval_every_seconds >= 0:
         parser.error(f"--eval-every-seconds must be 0 (off) or above (got {cfg.eval_every_seconds})")
     if not 0 < cfg.vllm_gpu_memory < 1:
@@ -170,6 +212,9 @@ def parse_config(argv=None) -> Config:
     if not (cfg.step_split == "auto" or cfg.step_split.startswith("tokens:") and cfg.step_split[7:].isdigit()
             and int(cfg.step_split[7:]) > 0):
         parser.error(f"--step-split must be auto or tokens:N with N >= 1 (got {cfg.step_split!r})")
+    problem = model_problem(cfg.model)  # last: offline, a Hub id may take the Hub's 3 s check
+    if problem:
+        parser.error(f"--model {cfg.model}: {problem}")
     return cfg
 
 
@@ -189,16 +234,17 @@ def unwritable(path: Path) -> str | None:
 
 # Flags that define a run: a resumed run must have the same. Every other flag may change on --resume (iterations,
 # cadences, time budget, learning rates, ...) and is then applied for real and logged.
-RUN_DEFINING = ("dataset", "estimator", "model", "prompt_format", "seed", "arith_ops", "arith_max", "k",
+RUN_DEFINING = ("dataset", "grader", "estimator", "model", "prompt_format", "seed", "arith_ops", "arith_max", "k",
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
                 "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
                 "k_max", "k_ci")
-NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track")
+NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track", "task")  # task follows from dataset
 
 
 def config_changes(saved: dict, cfg: Config) -> tuple[list[str], list[str]]:
     """(run-defining differences, other differences) between a checkpoint's config and this one, as "--flag a -> b"."""
     defining, other = [], []
+    saved = {"grader": grader_of(saved.get("dataset", "gsm8k")), **saved}  # checkpoints from before --grader
     for f in dataclasses.fields(Config):
         old, new = saved.get(f.name, f.default), getattr(cfg, f.name)
         if f.name not in NOT_COMPARED and old != new:

@@ -1,34 +1,42 @@
 """Datasets and prompts: each example becomes (prompt question, gold answer).
 
+gsm8k, math: the real data sets. Sources, in order:
+  - a local folder (`--data-dir DIR` or $VINEPPO_DATA_DIR) holding DIR/<dataset>/<split>.jsonl (the fields below);
+  - else the copy shipped in this repository, data/<dataset>/<split>.jsonl.gz, each file checked against
+    data/SHA256SUMS (see data/README.md: provenance, licences), with no network call:
+        gsm8k: GSM8K train 7,473 / test 1,319; gold = the number after "####".
+        math:  train = the 4,500 MATH test problems not in MATH-500 (the part of Lightman et al.'s 12k train split
+               that comes from MATH's test set; NOT the original 7,500 MATH train problems); test = MATH-500;
+               gold = the `answer` field, or the last \\boxed{} of the solution;
+  - `--data-dir hub`: the Hugging Face Hub through `datasets`, when its host answers within 3 s (checked once, no
+    retries; HF_HUB_OFFLINE=1 skips it), kept in $VINEPPO_CACHE/data (default ~/.cache/vineppo/data) for later runs:
+        gsm8k: openai/gsm8k "main" (the same rows as the shipped copy).
+        math:  train = EleutherAI/hendrycks_math (the original 7,500 train problems, all subjects: different
+               problems from the shipped train split); test = HuggingFaceH4/MATH-500 (the same 500).
 arith: procedurally generated multi-step arithmetic word problems (a task the 135M model can learn on a CPU), with
 fixed train/test splits from a seed; "#### <number>" answers graded like GSM8K.
-
-Sources, in order: a local folder (`--data-dir DIR` or $VINEPPO_DATA_DIR) holding DIR/<dataset>/<split>.jsonl; the
-copy a first Hub download left in $VINEPPO_CACHE/data (default ~/.cache/vineppo/data); the Hugging Face Hub through
-`datasets`, when its host answers within 3 s (checked once, no retries; HF_HUB_OFFLINE=1 skips it):
-    gsm8k: openai/gsm8k "main" (train 7,473 / test 1,319); gold = the number after "####".
-    math:  train = EleutherAI/hendrycks_math (7,500, all subjects); test = HuggingFaceH4/MATH-500;
-           gold = the `answer` field, or the last \\boxed{} of the solution.
-The local files use the same fields as the Hub rows (see ../shared/data/README.md).
+Your own data: a folder with train.jsonl and test.jsonl, one {"question": ..., "answer": <final answer>} per line
+("solution" optional), passed as `--dataset FOLDER`.
 """
+import gzip
+import hashlib
 import json
 import os
 import random
 from pathlib import Path
 
-from grader import extract_boxed
+from grader import extract_boxed, grader_of
 from model import cache_dir, hub_reachable
 
 DATASETS = ("gsm8k", "math", "arith")
 SPLITS = ("train", "test")
+SHIPPED = Path(__file__).resolve().parent / "data"  # the copies shipped with the code (data/README.md)
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
                  "prealgebra", "precalculus")
 
-CHAT_INSTRUCTION = {
-    "gsm8k": "Solve the problem step by step. Write one step per line. "
-             "On the last line write the final answer as '#### <number>'.",
-    "arith": "Solve the problem step by step. Write one step per line. "
-             "On the last line write the final answer as '#### <number>'.",
+CHAT_INSTRUCTION = {  # by grader: how the final answer must be written for it to be found
+    "number": "Solve the problem step by step. Write one step per line. "
+              "On the last line write the final answer as '#### <number>'.",
     "math": "Solve the problem step by step. Write one step per line. "
             "Put the final answer in \\boxed{...} on the last line.",
 }
@@ -36,29 +44,52 @@ FIELDS = {"gsm8k": ("question", "answer"), "math": ("problem", "answer", "soluti
 SFT_TEMPLATE = "[MATH_TASK] Problem:\n{question}\n\nSolution:"  # the paper's SFT checkpoints were trained on this
 
 
+def task_of(dataset: str) -> str:
+    """What `--dataset` names: one of DATASETS, or "custom" (a folder of your own; see dataset_problem)."""
+    return dataset if dataset in DATASETS else "custom"
+
+
+def dataset_problem(dataset: str) -> str | None:
+    """Why `--dataset` names neither a built-in data set nor a folder holding train.jsonl and test.jsonl, or None."""
+    if dataset in DATASETS:
+        return None
+    folder = Path(dataset).expanduser()
+    if not folder.is_dir():
+        return f"not {', '.join(DATASETS)}, nor a folder holding train.jsonl and test.jsonl"
+    missing = [f"{split}.jsonl" for split in SPLITS if not (folder / f"{split}.jsonl").is_file()]
+    return f"no {' and no '.join(missing)} in that folder" if missing else None
+
+
 def gold_answer(row: dict, *, dataset: str) -> str | None:
-    """The gold final answer of a raw row: after '####' (gsm8k); `answer`, else the last \\boxed{} (math)."""
+    """The gold final answer of a raw row: after '####' (gsm8k); `answer`, else the last \\boxed{} (math);
+    `answer` as it is, a string or a number (custom)."""
     if dataset == "gsm8k":
-        return row["answer"].split("####")[-1].strip() if "####" in row.get("answer", "") else None
+        text = row.get("answer")
+        return text.split("####")[-1].strip() if isinstance(text, str) and "####" in text else None
+    if dataset == "custom":
+        answer = row.get("answer")
+        return str(answer) if isinstance(answer, (int, float)) and not isinstance(answer, bool) else answer
     return row.get("answer") or extract_boxed(row.get("solution", ""))
 
 
 def to_example(row: dict, *, dataset: str, where: str) -> dict:
     """A raw row -> {"question", "answer", "solution"}; a one-line error naming `where` if it is malformed."""
-    question = row.get("question" if dataset == "gsm8k" else "problem") if isinstance(row, dict) else None
+    question = row.get("problem" if dataset == "math" else "question") if isinstance(row, dict) else None
     answer = gold_answer(row, dataset=dataset) if isinstance(row, dict) and isinstance(question, str) else None
-    if not isinstance(question, str) or not isinstance(answer, str) or not answer:
-        fields = '"question" and "answer" ending in "#### <number>"' if dataset == "gsm8k" else \
-            '"problem" and "answer", or a "solution" with \\boxed{}'
+    solution = (row.get("answer") if dataset == "gsm8k" else row.get("solution", "")) if isinstance(row, dict) else ""
+    if not isinstance(question, str) or not question.strip() or not isinstance(answer, str) or not answer.strip() \
+            or not isinstance(solution, (str, type(None))):
+        fields = {"gsm8k": '"question" and "answer" ending in "#### <number>"',
+                  "math": '"problem" and "answer", or a "solution" with \\boxed{}',
+                  "custom": '"question" and "answer" (the final answer), "solution" optional'}[dataset]
         raise SystemExit(f"error: {where}: malformed {dataset} row (expected {fields})")
-    solution = row.get("answer") if dataset == "gsm8k" else row.get("solution", "")
-    return {"question": question, "answer": answer, "solution": solution or ""}
+    return {"question": question, "answer": answer.strip(), "solution": solution or ""}
 
 
 def read_jsonl(path: Path, *, dataset: str) -> list[dict]:
-    """Examples of a local .jsonl file; a malformed line stops with `file:line`."""
+    """Examples of a local .jsonl (or .jsonl.gz) file; a malformed line stops with `file:line`."""
     examples = []
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -70,6 +101,22 @@ def read_jsonl(path: Path, *, dataset: str) -> list[dict]:
     if not examples:
         raise SystemExit(f"error: {path}: no rows")
     return examples
+
+
+def shipped_file(dataset: str, split: str) -> Path:
+    """data/<dataset>/<split>.jsonl.gz, its bytes checked against data/SHA256SUMS; a one-line error naming the file
+    if it is missing or damaged."""
+    path, name = SHIPPED / dataset / f"{split}.jsonl.gz", f"{dataset}/{split}.jsonl.gz"
+    listing = SHIPPED / "SHA256SUMS"
+    lines = listing.read_text().splitlines() if listing.is_file() else []
+    sums = {file: digest for digest, file in (line.split() for line in lines if line.strip())}
+    if not path.is_file():
+        raise SystemExit(f"error: {path}: missing from this checkout (git checkout -- data restores the shipped "
+                         f"copy; or pass --data-dir DIR holding {dataset}/{split}.jsonl)")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != sums.get(name):
+        raise SystemExit(f"error: {path}: checksum mismatch with {listing}: the shipped copy is "
+                         f"damaged (git checkout -- data restores it; or pass --data-dir DIR)")
+    return path
 
 
 def find_local_file(data_dir: str, *, dataset: str, split: str) -> Path:
@@ -92,12 +139,35 @@ def hub_rows(*, dataset: str, split: str) -> list[dict]:
     return [row for subject in MATH_SUBJECTS for row in load_dataset("EleutherAI/hendrycks_math", subject, split="train")]
 
 
+def hub_split(dataset: str, split: str) -> list[dict]:
+    """`--data-dir hub`: the Hub's rows, downloaded once into $VINEPPO_CACHE/data and read from there after."""
+    cached = cache_dir() / "data" / dataset / f"{split}.jsonl"
+    if not cached.is_file():
+        if not hub_reachable():
+            raise SystemExit(f"error: {dataset}/{split}: --data-dir hub, but the Hugging Face Hub is unreachable; "
+                             f"drop --data-dir for the shipped copy, or pass --data-dir DIR holding "
+                             f"{dataset}/{split}.jsonl (docs/data-and-model.md)")
+        try:
+            rows = hub_rows(dataset=dataset, split=split)
+        except Exception as e:  # no `datasets`, a moved repository, a dropped connection: all end the same way
+            raise SystemExit(f"error: could not load {dataset}/{split} from the Hub ({type(e).__name__}); drop "
+                             f"--data-dir for the shipped copy, or pass --data-dir DIR holding {dataset}/{split}.jsonl "
+                             f"(docs/data-and-model.md)") from None
+        for i, row in enumerate(rows):  # every row checked before any is cached
+            to_example(row, dataset=dataset, where=f"hub:{dataset}/{split}[{i}]")
+        write_cache(cached, [{field: row[field] for field in FIELDS[dataset] if field in row} for row in rows])
+    return read_jsonl(cached, dataset=dataset)
+
+
 def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_ops: int = 1,
                arith_max: int = 20, arith_size: int = 5000) -> list[dict]:
-    """Examples ({"question", "answer", "solution"}) of one split: from a local folder if given, else the Hub
-    (arith: generated; the test split is the first 500 problems of its own seed that are not in train)."""
-    if dataset not in DATASETS or split not in SPLITS:
-        raise SystemExit(f"error: unknown dataset/split {dataset}/{split} (choose from {DATASETS} x {SPLITS})")
+    """Examples ({"question", "answer", "solution"}) of one split. gsm8k, math: from `data_dir` (or
+    $VINEPPO_DATA_DIR) if given, "hub" meaning the Hub, else the shipped copy. A folder of your own: its
+    <split>.jsonl. arith: generated (the test split is the first 500 problems of its own seed that are not in train)."""
+    problem = dataset_problem(dataset)
+    if problem or split not in SPLITS:
+        raise SystemExit(f"error: --dataset {dataset}: {problem}" if problem else
+                         f"error: unknown split {split} (choose from {SPLITS})")
     if dataset == "arith":
         train = make_arith(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
         if split == "train":
@@ -105,23 +175,14 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
         seen = {e["question"] for e in train}
         return [e for e in make_arith(4 * 500, seed=1, ops=arith_ops, max_number=arith_max)
                 if e["question"] not in seen][:500]
+    if task_of(dataset) == "custom":
+        return read_jsonl(Path(dataset).expanduser() / f"{split}.jsonl", dataset="custom")
     data_dir = data_dir or os.environ.get("VINEPPO_DATA_DIR")
-    if data_dir:
-        return read_jsonl(find_local_file(data_dir, dataset=dataset, split=split), dataset=dataset)
-    cached = cache_dir() / "data" / dataset / f"{split}.jsonl"
-    if not cached.is_file():
-        if not hub_reachable():
-            raise SystemExit(f"error: {dataset}/{split}: the Hugging Face Hub is unreachable and no data folder was "
-                             f"given; pass --data-dir DIR holding {dataset}/{split}.jsonl (README: Data)")
-        try:
-            rows = hub_rows(dataset=dataset, split=split)
-        except Exception as e:  # no `datasets`, a moved repository, a dropped connection: all end the same way
-            raise SystemExit(f"error: could not load {dataset}/{split} from the Hub ({type(e).__name__}); pass "
-                             f"--data-dir DIR holding {dataset}/{split}.jsonl (README: Data)") from None
-        for i, row in enumerate(rows):  # every row checked before any is cached
-            to_example(row, dataset=dataset, where=f"hub:{dataset}/{split}[{i}]")
-        write_cache(cached, [{field: row[field] for field in FIELDS[dataset] if field in row} for row in rows])
-    return read_jsonl(cached, dataset=dataset)
+    if not data_dir:
+        return read_jsonl(shipped_file(dataset, split), dataset=dataset)
+    if data_dir == "hub":
+        return hub_split(dataset, split)
+    return read_jsonl(find_local_file(data_dir, dataset=dataset, split=split), dataset=dataset)
 
 
 def write_cache(path: Path, rows: list[dict]):
@@ -134,11 +195,12 @@ def write_cache(path: Path, rows: list[dict]):
 
 
 def make_prompt(question: str, *, dataset: str, tokenizer, prompt_format: str = "chat") -> str:
-    """The prompt text. "chat": the model's chat template asking for one step per line and a final-answer marker;
-    "sft": the paper's plain template for its SFT checkpoints."""
+    """The prompt text. "chat": the model's chat template asking for one step per line and the final answer the way
+    the grader finds it (`dataset`: a data set's name, or a grader's: number, math); "sft": the paper's plain
+    template for its SFT checkpoints."""
     if prompt_format == "sft" or getattr(tokenizer, "chat_template", None) is None:
         return SFT_TEMPLATE.format(question=question)
-    message = f"{CHAT_INSTRUCTION[dataset]}\n\nProblem: {question}"
+    message = f"{CHAT_INSTRUCTION[grader_of(dataset)]}\n\nProblem: {question}"
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
 

@@ -17,9 +17,10 @@ import torch.distributed as dist
 
 def init(device: torch.device) -> tuple[int, int]:
     """(rank, world size). Under torchrun: join the process group (NCCL for CUDA, gloo for the CPU), on CUDA pin this
-    rank's GPU, on a CPU give each local rank its share of the cores. Without torchrun: (0, 1) and nothing else."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    rank's GPU, on a CPU give each local rank its share of the cores. Without torchrun: (0, 1) and nothing else.
+    torchrun with one process (`--nproc_per_node=1`) joins a group of one too, so that NCCL, DDP and FSDP2 run on a
+    machine with a single GPU (a second rank cannot share that GPU: NCCL refuses two ranks on one device)."""
+    if "LOCAL_RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return 0, 1
     local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     if device.type == "cuda":
@@ -28,6 +29,9 @@ def init(device: torch.device) -> tuple[int, int]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.get_rank() == 0:
+        world = dist.get_world_size()
+        print(f"torchrun: {world} rank{'s' if world > 1 else ''}, {dist.get_backend()}", flush=True)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -38,7 +42,8 @@ def finish():
 
 
 def active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """Is there a process group (under torchrun, even of one rank)?"""
+    return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:

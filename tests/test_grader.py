@@ -1,5 +1,4 @@
 """Grader cases, written the way models actually answer, plus adversarial strings and the real gold solutions."""
-import json
 import random
 import string
 import threading
@@ -7,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import DATA_DIR, needs_data
+from conftest import shipped_rows
 from grader import extract_boxed, extract_math_answer, grade, grade_gsm8k, grade_math, parse_number
 
 @pytest.mark.parametrize("response, answer, expected", [
@@ -129,22 +128,16 @@ def test_bounded_off_the_main_thread():
     assert result == {"slow": 0.0, "fine": 1.0} and time.monotonic() - start < 5
 
 
-def rows(path):
-    return [json.loads(line) for line in path.open()]
-
-
-@needs_data
 def test_gsm8k_gold_solutions_grade_one():
-    data = rows(DATA_DIR / "gsm8k" / "test.jsonl")
+    data = shipped_rows("gsm8k", "test")
     golds = [row["answer"].split("####")[-1].strip() for row in data]
     own = sum(grade_gsm8k(row["answer"], gold) for row, gold in zip(data, golds))
     other = sum(grade_gsm8k(row["answer"], golds[i - 1]) for i, row in enumerate(data) if golds[i - 1] != golds[i])
     assert own == len(data) and other == 0
 
 
-@needs_data
 def test_math500_gold_solutions_grade_one():
-    data = rows(DATA_DIR / "math" / "test.jsonl")
+    data = shipped_rows("math", "test")
     own = sum(grade_math(row["solution"], row["answer"]) for row in data)
     other = sum(grade_math(row["solution"], data[i - 1]["answer"]) for i, row in enumerate(data))
     assert own == len(data) and other <= 5  # a few neighbours share an answer ("7" and "7", "x=5" and "5")

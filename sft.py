@@ -1,0 +1,303 @@
+"""Supervised fine-tuning on the train split's gold solutions, the start of the paper's RL runs:
+
+    python sft.py --dataset arith --out-dir runs/sft-arith     then     python train.py --model runs/sft-arith ...
+
+Targets: the worked solution (arith: `solution`; gsm8k: the `answer` field, ending "#### N"; math and a folder:
+`solution`) followed by EOS, after the prompt train.py will use (--prompt-format). The loss is the mean negative
+log-likelihood of each instance's target tokens, then the mean over the batch (as in the official repo). AdamW, warmup
+then linear decay (train.lr_factor); pass@1 on the test split before and after (train.evaluate).
+
+    OUT/config.json, model.safetensors, tokenizer files   the final model (fp32), an HF folder (written last)
+    OUT/metrics.jsonl                                     one line per optimizer step ("iteration": the step)
+    OUT/ckpt-NNNNNN/, OUT/latest                          the last checkpoint, for --resume (checkpoint.py)
+
+Single process only (no torchrun yet). Shapes: B = instances in a micro-batch, P = prompt length (left-padded),
+R = target length (right-padded), T = P + R.
+"""
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from checkpoint import (GracefulStop, append_metrics, load_trainer_state, prepare_out_dir, repair_metrics, restore,
+                        save_checkpoint)
+from config import arg, parse_dataclass, unwritable
+from data import dataset_problem, encode_prompt, load_split, task_of
+from grader import grader_of, is_number
+from hf_sampler import HFSampler
+from model import DEFAULT_MODEL, Scorer, load_model, load_tokenizer, model_problem, pick_device, pick_dtype
+from monitor import progress
+from ppo import pad_episodes
+from train import evaluate, lr_factor
+
+
+@dataclass
+class SFTConfig:
+    dataset: str = arg("arith", "gsm8k, math, arith, or a folder of your own with train.jsonl and test.jsonl (its "
+                                "rows need a \"solution\": rows without one are skipped)")
+    grader: str = arg("auto", "how pass@1 is graded (as train.py): number, math; auto: by --dataset",
+                      choices=["auto", "number", "math"])
+    model: str = arg(DEFAULT_MODEL, "the model to fine-tune: Hub id, local HF folder or .gguf file")
+    prompt_format: str = arg("chat", "as train.py (pass the same one there): chat: the model's chat template; sft: "
+                                     "the paper's '[MATH_TASK] Problem:' format", choices=["chat", "sft"])
+    out_dir: str | None = arg(None, "where the fine-tuned HF folder, metrics.jsonl and checkpoints go "
+                                    "(default runs/sft-<dataset>-s<seed>)")
+    seed: int = arg(0, "random seed (example order, evaluation sampling)")
+    epochs: int = arg(2, "passes over the train split (official: 2)")
+    max_steps: int = arg(0, "stop after this many optimizer steps (the schedule is laid out for them); 0: epochs")
+    lr: float = arg(1e-5, "AdamW peak learning rate (official: 1e-5 for the 1.1B model, 5e-5 for 7B)")
+    warmup_ratio: float = arg(0.03, "fraction of optimizer steps spent warming up, then linear decay to 0")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    batch_size: int | None = arg(None, "instances per optimizer step (official: 64; CPU default: 16)")
+    micro_batch_size: int | None = arg(None, "instances per forward/backward (GPU default: 8; CPU: 4)")
+    max_length: int = arg(1024, "prompt + target tokens at most; longer targets are cut (and lose their EOS)")
+    dtype: str = arg("auto", "compute dtype (autocast); master weights and AdamW stay fp32. auto: bf16 where native",
+                     choices=["auto", "float32", "bfloat16"])
+    device: str = arg("auto", "auto, cpu or cuda")
+    eval_size: int | None = arg(None, "test problems for pass@1 before and after (default: all on GPU; CPU: 32)")
+    eval_samples: int | None = arg(None, "samples per test problem (GPU default: 16; CPU: 4)")
+    eval_temperature: float = arg(0.35, "sampling temperature for evaluation; 0: greedy")
+    top_p: float = arg(0.9, "nucleus sampling threshold for evaluation")
+    max_new_tokens: int | None = arg(None, "evaluation response length limit (GPU default: 1024; CPU: 256)")
+    gen_batch_size: int = arg(256, "rows per generation batch in evaluation")
+    arith_ops: int = arg(1, "arith: operations per problem")
+    arith_max: int = arg(20, "arith: largest starting number / addend")
+    save_every: int = arg(100, "write a checkpoint every this many steps (and at the end, and on Ctrl-C)")
+    resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
+    overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run")
+    trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
+    data_dir: str | None = arg(None, "gsm8k, math: as train.py's --data-dir")
+    task: str | None = arg(None, "", derived=True)  # derived from --dataset (train.py's cfg.task)
+
+
+# A resumed run must have these as saved; the others (max-steps, lr, eval flags, ...) may change.
+SFT_DEFINING = ("dataset", "grader", "model", "prompt_format", "seed", "epochs", "batch_size", "max_length",
+                "arith_ops", "arith_max")
+
+
+def parse_sft_config(argv=None) -> SFTConfig:
+    parser, cfg = parse_dataclass(SFTConfig, argv, description=__doc__)
+    problem = dataset_problem(cfg.dataset)
+    if problem:
+        parser.error(f"--dataset {cfg.dataset}: {problem}")
+    cfg.task = task_of(cfg.dataset)
+    if cfg.grader == "auto":
+        cfg.grader = grader_of(cfg.task) if cfg.task != "custom" else "number" if all(
+            is_number(e["answer"]) for e in load_split(cfg.dataset, "test")) else "math"
+    gpu = pick_device(cfg.device).type == "cuda"
+    for name, paper, cpu in (("batch_size", 64, 16), ("micro_batch_size", 8, 4), ("eval_samples", 16, 4),
+                             ("max_new_tokens", 1024, 256), ("eval_size", 10**9, 32)):
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, paper if gpu else cpu)
+    stem = Path(cfg.dataset).expanduser().resolve().name if cfg.task == "custom" else cfg.dataset
+    cfg.out_dir = cfg.out_dir or f"runs/sft-{stem}-s{cfg.seed}"
+    for name in ("epochs", "batch_size", "micro_batch_size", "max_length", "eval_size", "eval_samples",
+                 "max_new_tokens", "gen_batch_size", "arith_ops", "arith_max", "save_every"):
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    if cfg.max_steps < 0:
+        parser.error(f"--max-steps must be 0 (epochs) or above (got {cfg.max_steps})")
+    if cfg.batch_size % cfg.micro_batch_size:
+        parser.error(f"--batch-size ({cfg.batch_size}) must be a multiple of --micro-batch-size "
+                     f"({cfg.micro_batch_size})")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error("sft.py runs in one process (torchrun is not supported yet)")
+    if not cfg.lr > 0:
+        parser.error(f"--lr must be above 0 (got {cfg.lr})")
+    if not 0 <= cfg.warmup_ratio < 1:
+        parser.error(f"--warmup-ratio must be in [0, 1) (got {cfg.warmup_ratio})")
+    if not cfg.eval_temperature >= 0:
+        parser.error(f"--eval-temperature must be 0 (greedy) or above (got {cfg.eval_temperature})")
+    if not 0 < cfg.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    if cfg.resume and cfg.overwrite:
+        parser.error("--resume and --overwrite contradict each other")
+    problem = unwritable(Path(cfg.out_dir))
+    if problem:
+        parser.error(f"--out-dir {cfg.out_dir}: {problem}")
+    problem = model_problem(cfg.model)
+    if problem:
+        parser.error(f"--model {cfg.model}: {problem}")
+    return cfg
+
+
+def sft_loss(*, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of each instance's target tokens, then the mean over instances: a long and a short
+    instance weigh the same. logprobs: (B, R) of the target tokens; mask: (B, R), 1 on target tokens (prompt and
+    padding are not in R or are 0). Instances without a target token are left out."""
+    mask = mask.float()
+    tokens = mask.sum(1)  # (B,)
+    per_instance = -(logprobs * mask).sum(1) / tokens.clamp(min=1)  # (B,)
+    kept = tokens > 0
+    return per_instance[kept].sum() / kept.sum().clamp(min=1)
+
+
+def sft_target(example: dict, *, tokenizer, prompt_format: str) -> list[int]:
+    """The target token ids: the worked solution, then EOS (after "Solution:" a space first, as text would have)."""
+    text = (" " if prompt_format == "sft" else "") + example["solution"].strip()
+    return tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+
+def encode_examples(examples: list[dict], *, tokenizer, cfg: SFTConfig) -> tuple[list[tuple[list, list]], int]:
+    """(prompt ids, target ids) of every example with a solution, cut to max_length; and how many were cut."""
+    pairs, cut = [], 0
+    for e in examples:
+        if not e["solution"].strip():
+            continue
+        prompt = encode_prompt(e["question"], dataset=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+        target = sft_target(e, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+        room = cfg.max_length - len(prompt)
+        if room < 1:
+            cut += 1
+            continue
+        cut += len(target) > room
+        pairs.append((prompt, target[:room]))
+    return pairs, cut
+
+
+def step_examples(step: int, *, n: int, batch_size: int, seed: int) -> list[int]:
+    """The example indices of optimizer step `step` (0-based): each epoch a fresh permutation of the n examples, cut
+    into full batches (the remainder is dropped). A function of the step alone, so a resumed run needs no RNG state."""
+    per_epoch = n // batch_size
+    epoch, k = divmod(step, per_epoch)
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order[k * batch_size:(k + 1) * batch_size]
+
+
+def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, micro_batch_size: int, pad_id: int,
+             max_grad_norm: float) -> dict:
+    """One optimizer step on `pairs`: micro-batches' losses weighted by their share of the batch, so that the
+    accumulated gradient is that of the batch's mean loss. Returns the loss, grad norm, target tokens and all tokens
+    (prompt + target, padding not counted)."""
+    device = next(scorer.parameters()).device
+    optimizer.zero_grad(set_to_none=True)
+    total, tokens, seen = 0.0, 0, 0
+    for a in range(0, len(pairs), micro_batch_size):
+        part = pairs[a:a + micro_batch_size]
+        input_ids, attention_mask, mask, P = pad_episodes([p for p, _ in part], [t for _, t in part], pad_id=pad_id)
+        logprobs, _, _, _ = scorer(input_ids.to(device), attention_mask.to(device), response_start=P,
+                                temperature=1.0)  # (B, R)
+        loss = sft_loss(logprobs=logprobs, mask=mask.to(device)) * (len(part) / len(pairs))
+        loss.backward()
+        total, tokens, seen = total + loss.item(), tokens + int(mask.sum()), seen + int(attention_mask.sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), max_grad_norm).item()
+    optimizer.step()
+    scheduler.step()
+    return {"loss": total, "grad_norm": grad_norm, "tokens": tokens, "tokens_all": seen}
+
+
+def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
+    """The fine-tuned model as an HF folder in out_dir: written into a temp folder, then each file moved in, the
+    config.json (what makes it a model folder) last."""
+    tmp = out_dir / f".tmp-final-{os.getpid()}"
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(path, out_dir / path.name)
+    tmp.rmdir()
+    print(f"saved the fine-tuned model in {out_dir} (python train.py --model {out_dir} "
+          f"--prompt-format {prompt_format})", flush=True)
+
+
+def main(cfg: SFTConfig):
+    device = pick_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    source = prepare_out_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+    if source is None:  # a fresh run: an old final model there is not this run's (save_final writes it anew)
+        (out_dir / "config.json").unlink(missing_ok=True)
+    state = load_trainer_state(source) if source else None
+    if state:
+        defining = [f"--{k.replace('_', '-')} {state['config'].get(k)} -> {getattr(cfg, k)}" for k in SFT_DEFINING
+                    if state["config"].get(k) != getattr(cfg, k)]
+        if defining:
+            raise SystemExit(f"error: --resume: flags that define the run differ from {source}'s: "
+                             f"{'; '.join(defining)}")
+    dtype = pick_dtype(cfg.dtype, device)
+    tokenizer = load_tokenizer(cfg.model)
+    splits = {split: load_split(cfg.dataset, split, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
+                                arith_max=cfg.arith_max) for split in ("train", "test")}
+    train_set, test_set = splits["train"], splits["test"][:cfg.eval_size]
+    pairs, cut = encode_examples(train_set, tokenizer=tokenizer, cfg=cfg)
+    if len(pairs) < cfg.batch_size:
+        raise SystemExit(f"error: --dataset {cfg.dataset}: {len(pairs)} train rows with a solution, fewer than "
+                         f"--batch-size {cfg.batch_size}")
+    per_epoch = len(pairs) // cfg.batch_size
+    total = cfg.max_steps or cfg.epochs * per_epoch
+    print(f"{len(pairs)} train examples ({len(train_set) - len(pairs)} without a solution skipped, {cut} cut to "
+          f"--max-length {cfg.max_length}), {per_epoch} steps per epoch of {cfg.batch_size}; {total} steps", flush=True)
+    policy = load_model(str(source or cfg.model), device=device, dtype=torch.float32,
+                        trust_remote_code=cfg.trust_remote_code)
+    stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
+    sampler = HFSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings, batch_size=cfg.gen_batch_size)
+    scorer = Scorer(policy, dtype=dtype)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(lr_factor, warmup=math.ceil(cfg.warmup_ratio * total), total=total))
+    start, train_seconds, rng = 0, 0.0, random.Random(cfg.seed)  # rng: unused, kept for checkpoint.py's format
+    if state:
+        start, train_seconds = restore(state, scorer=scorer, optimizer=optimizer, scheduler=scheduler, rng=rng,
+                                       lrs=[cfg.lr])
+        repair_metrics(out_dir / "metrics.jsonl", upto=start)
+        print(f"resumed from {source} at step {start}", flush=True)
+    log = open(out_dir / "metrics.jsonl", "a")
+    checkpoint = partial(save_checkpoint, out_dir, scorer=scorer, policy=policy, value_head=None, tokenizer=tokenizer,
+                         optimizer=optimizer, scheduler=scheduler, cfg=cfg)
+    stop, completed = GracefulStop(), start
+    try:
+        if start == 0:
+            t0 = time.perf_counter()
+            accuracy = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+            append_metrics(log, {"iteration": 0, "eval_accuracy": accuracy, "seconds_eval": time.perf_counter() - t0})
+            print(f"step 0: eval pass@1 {accuracy:.3f} on {len(test_set)} problems x {cfg.eval_samples} "
+                  f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        loop_started = time.perf_counter()
+        for step in range(start, total):
+            stop.hold()  # a signal now lets this step finish, then saves and stops
+            t0, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
+            batch = [pairs[i] for i in step_examples(step, n=len(pairs), batch_size=cfg.batch_size, seed=cfg.seed)]
+            stats = sft_step(scorer, optimizer, scheduler, batch, micro_batch_size=cfg.micro_batch_size,
+                             pad_id=tokenizer.pad_token_id, max_grad_norm=cfg.max_grad_norm)
+            seconds = time.perf_counter() - t0
+            completed, train_seconds = step + 1, train_seconds + seconds
+            record = {"iteration": completed, "epoch": step / per_epoch, "lr": lr, **stats, "seconds": seconds,
+                      "tokens_per_s": stats["tokens_all"] / seconds, "target_tokens_per_s": stats["tokens"] / seconds,
+                      "train_seconds": train_seconds}
+            if completed == total:
+                sampler.sync(policy)
+                t1 = time.perf_counter()
+                record["eval_accuracy"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+                record["seconds_eval"] = time.perf_counter() - t1
+            append_metrics(log, record)
+            if completed % cfg.save_every == 0 or completed == total or stop.requested is not None:
+                checkpoint(iteration=completed, python_rng=rng.getstate(), torch_rng=torch.get_rng_state(),
+                           train_seconds=train_seconds)
+            stop.release()
+            where = progress(done=completed, total=total, first=start, elapsed=time.perf_counter() - loop_started)
+            print(f"step {where} | loss {stats['loss']:.4f}, lr {lr:.2e}, grad norm {stats['grad_norm']:.2f}, "
+                  f"{record['tokens_per_s']:.0f} tok/s ({record['target_tokens_per_s']:.0f} target tok/s)" +
+                  (f", eval pass@1 {record['eval_accuracy']:.3f}" if "eval_accuracy" in record else ""), flush=True)
+            if stop.requested is not None:
+                sys.exit(stop.exit_code())
+    except KeyboardInterrupt:
+        if stop.holding:
+            print("stopped during a step: nothing saved; --resume continues from the last checkpoint", flush=True)
+        else:
+            print(f"interrupted: saving the state after step {completed}", flush=True)
+            checkpoint(iteration=completed, python_rng=rng.getstate(), torch_rng=torch.get_rng_state(),
+                       train_seconds=train_seconds)
+        sys.exit(stop.exit_code())
+    save_final(out_dir, policy=policy, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+
+
+if __name__ == "__main__":
+    main(parse_sft_config())

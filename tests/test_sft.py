@@ -1,0 +1,96 @@
+"""sft.py: the loss (masking, per-instance mean, padding-invariance), the step order, flag checks, and one smoke run
+with the real model whose output folder transformers loads and train.py starts from."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sft import parse_sft_config, sft_loss, step_examples
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_loss_ignores_masked_tokens():
+    logprobs = torch.tensor([[-1.0, -3.0, -50.0]])  # the last position is padding (or prompt): huge, but masked
+    mask = torch.tensor([[1, 1, 0]])
+    assert sft_loss(logprobs=logprobs, mask=mask).item() == pytest.approx(2.0)
+
+
+def test_loss_is_per_instance_mean_then_batch_mean():
+    # a short instance (1 token, NLL 4) and a long one (4 tokens, NLL 1 each) weigh the same: (4 + 1) / 2
+    logprobs = torch.tensor([[-4.0, 0.0, 0.0, 0.0], [-1.0, -1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]])
+    assert sft_loss(logprobs=logprobs, mask=mask).item() == pytest.approx(2.5)  # a token mean would give 8 / 5
+
+
+def test_loss_is_padding_invariant_and_skips_empty_rows():
+    row = torch.tensor([[-0.5, -1.5]])
+    padded = torch.cat([row, torch.full((1, 5), -9.0)], dim=1)  # the same instance padded by 5 more positions
+    mask, padded_mask = torch.ones(1, 2), torch.cat([torch.ones(1, 2), torch.zeros(1, 5)], dim=1)
+    assert sft_loss(logprobs=padded, mask=padded_mask).item() == pytest.approx(
+        sft_loss(logprobs=row, mask=mask).item())
+    with_empty = torch.cat([padded, torch.full((1, 7), -9.0)])  # a row with no target token is left out
+    assert sft_loss(logprobs=with_empty, mask=torch.cat([padded_mask, torch.zeros(1, 7)])).item() == pytest.approx(1.0)
+
+
+def test_loss_gradient_is_per_instance_mean():
+    logprobs = torch.zeros(2, 4, requires_grad=True)
+    sft_loss(logprobs=logprobs, mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])).backward()
+    assert logprobs.grad.tolist() == [[-0.25, -0.25, 0, 0], [-0.125] * 4]  # each row: -1 / (2 x its tokens)
+
+
+def test_step_examples_are_a_permutation_per_epoch_and_repeatable():
+    n, bs = 10, 3  # 3 full batches an epoch, one example dropped
+    epoch = [i for s in range(3) for i in step_examples(s, n=n, batch_size=bs, seed=0)]
+    assert len(set(epoch)) == 9 and step_examples(1, n=n, batch_size=bs, seed=0) == epoch[3:6]
+    assert step_examples(3, n=n, batch_size=bs, seed=0) != epoch[:3]  # the next epoch is shuffled afresh
+
+
+def test_bad_flags_are_one_line(capsys):
+    for argv, says in ((["--batch-size", "6", "--micro-batch-size", "4"], "multiple of --micro-batch-size"),
+                       (["--lr", "0"], "--lr must be above 0"), (["--dataset", "nope"], "--dataset nope"),
+                       (["--resume", "--overwrite"], "contradict")):
+        with pytest.raises(SystemExit):
+            parse_sft_config(argv + ["--device", "cpu"])
+        assert says in capsys.readouterr().err
+
+
+def test_defaults_on_cpu():
+    cfg = parse_sft_config(["--dataset", "arith", "--device", "cpu"])
+    assert (cfg.batch_size, cfg.micro_batch_size, cfg.grader, cfg.task, cfg.out_dir) == (
+        16, 4, "number", "arith", "runs/sft-arith-s0")
+
+
+@pytest.mark.slow
+def test_smoke_sft_then_train(tmp_path, smol_path):
+    from transformers import AutoModelForCausalLM
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "SFT"
+    cmd = [sys.executable, "sft.py", "--dataset", "arith", "--max-steps", "2", "--batch-size", "2",
+           "--micro-batch-size", "1", "--eval-size", "2", "--eval-samples", "1", "--max-new-tokens", "16",
+           "--lr", "5e-5", "--out-dir", str(out)]
+    run = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "step 2/2 (100.0%)" in run.stdout and "tok/s" in run.stdout and "eval pass@1" in run.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1, 2]
+    assert "eval_accuracy" in records[0] and "eval_accuracy" in records[2]  # before and after
+    assert all(r["loss"] > 0 and r["tokens"] > 0 for r in records[1:])
+    assert (out / "latest").read_text() == "ckpt-000002"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert next(model.parameters()).dtype == torch.float32
+    base = AutoModelForCausalLM.from_pretrained(smol_path)
+    assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # it was trained
+    again = subprocess.run(cmd, cwd=REPO, env=env, text=True, capture_output=True, timeout=60)
+    assert again.returncode != 0 and "already holds a run" in again.stderr  # no silent overwrite
+    train = subprocess.run([sys.executable, "train.py", "--model", str(out), "--dataset", "arith", "--iterations", "1",
+                            "--k", "2", "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--max-new-tokens",
+                            "16", "--eval-size", "2", "--eval-samples", "1", "--sampler", "hf",
+                            "--out-dir", str(tmp_path / "RL")], cwd=REPO, env=env, text=True, capture_output=True,
+                           timeout=600)
+    assert train.returncode == 0, train.stdout + train.stderr
+    assert "iteration 1/1" in train.stdout
