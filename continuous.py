@@ -197,7 +197,7 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
     take = partial(take_tokens, sampler, schedule, on_done=on_done, temperature=temperature, top_p=top_p,
                    prefix_lens=prefix_lens, budgets=budgets, bar=bar)
     batch, layout, device = [], None, cache["keys"].device  # batch[b]: the row in slot b of the suffix cache
-    started = time.perf_counter()
+    started, prefill_before = time.perf_counter(), sampler.timing["prefill_s"]
     while True:
         # 1. Admit: prefill the parents of waiting rows into free places, then fill free slots; each new row samples
         #    its first token from its prefix's last hidden state. Rows that finish at once free their slot again.
@@ -243,4 +243,4 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
                          suffix=suffix_layout([len(r.ids) - 1 for r in batch], device=device))
         hidden = decoder_forward(sampler.model, ids=ids, positions=positions, attend=attend)[:, -1]  # (B, hidden)
         take([batch[b] for b in live], hidden[live] if len(live) < len(batch) else hidden)
-    sampler.timing["decode_s"] += time.perf_counter() - started - sampler.timing["prefill_s"]
+    sampler.timing["decode_s"] += time.perf_counter() - started - (sampler.timing["prefill_s"] - prefill_before)
