@@ -23,24 +23,37 @@ generated arith problems, which need no data files. On CUDA every timer waits fo
    almost nothing to attend to): the cost of the new tokens alone.
 4. Greedy agreement: 64-token greedy continuations of --agree-prompts real prompts in fp32 and in bf16; how many
    leading tokens agree before the first difference (a near-tie flips, and the texts part ways after it).
+5. Real vines (EOS on): one default CPU iteration's values (--vine-prompts x --vine-samples GSM8K train responses of
+   up to --vine-max-new-tokens, sampled by our bf16 sampler; their states as train.py estimates them, deduplicated,
+   at most 25 per response; K = 9 vines each at T = 0.6, top_p = 0.9), at --gen-batch-size 256: the static loop
+   (continuous=False) against continuous batching, in bf16 and fp32 (fp32: do both give the same values and vine
+   tokens?); and, on the same states in bf16, fixed K = 9 against --k-mode adaptive --k-ci 0.45 and budget 9, on
+   both loops for adaptive (static: a prefill and a barrier per round; continuous: a state's next round joins the
+   running batch). Seconds of estimate_values, and vines. `--only-vines` runs this part alone.
 The last line: speedup_b64=<ours/generate, decode, at 64> frac_b256=<ours decode/limit at 256>
 reuse_overhead=<reuse/alone> reuse_vs_naive=<naive/reuse> bf16_vs_fp32_b64=<ours bf16/ours fp32, decode, at 64>
-bf16_vs_fp32_b256=<the same at 256>. Every figure also goes to --json PATH, with the peak memory of each run (GB: the
-resident high-water mark on a CPU, torch.cuda.max_memory_allocated on CUDA; monitor.peak_memory_gb).
+bf16_vs_fp32_b256=<the same at 256> continuous_vs_static=<static seconds/continuous seconds, real vines, bf16>
+adaptive_vs_fixed_seconds=<adaptive 0.45 seconds/fixed K = 9 seconds, continuous, bf16, the same states>.
+Every figure also goes to --json PATH, with the peak memory of each run (GB: the resident high-water mark on a CPU,
+torch.cuda.max_memory_allocated on CUDA; monitor.peak_memory_gb).
 """
 import argparse
 import json
 import os
+import random
 import time
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from data import encode_prompt, load_split
+from grader import grade
 from model import DEFAULT_MODEL, load_model, load_tokenizer
 from hf_sampler import HFSampler
 from monitor import peak_memory_gb, reset_peak_memory
+from sampling import row_seed
 from shapes import SHAPES, random_model
+from values import estimate_values, step_token_starts
 
 
 def wait(device: torch.device):
@@ -159,6 +172,61 @@ def speed_table(reports: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def vine_iteration(sampler, tokenizer, *, data_dir, prompts: int, samples: int, max_new_tokens: int,
+                   seed: int = 0) -> dict:
+    """A default CPU iteration's rollouts (GSM8K train prompts, `samples` responses each, EOS on) and their steps:
+    the keyword arguments of estimate_values, bar the vine-count rule."""
+    examples = random.Random(seed).choices(load_split("gsm8k", "train", data_dir=data_dir), k=prompts)
+    prompt_ids = [encode_prompt(e["question"], dataset="gsm8k", tokenizer=tokenizer) for e in examples]
+    groups = sampler.sample(prompt_ids, n=samples, temperature=0.6, top_p=0.9, max_new_tokens=max_new_tokens,
+                            seed=row_seed(seed, 0))
+    rows = [(p, e["answer"], s) for p, e, g in zip(prompt_ids, examples, groups) for s in g]
+    return dict(prompts=[p for p, _, _ in rows], responses=[s.token_ids for _, _, s in rows],
+                step_starts=[step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, dataset="gsm8k")
+                             for _, _, s in rows],
+                rewards=[grade(s.text, a, dataset="gsm8k", truncated=not s.finished) for _, a, s in rows],
+                answers=[a for _, a, _ in rows], dataset="gsm8k", K=9, temperature=0.6, top_p=0.9,
+                max_new_tokens=max_new_tokens, max_value_steps=25, seed=row_seed(seed, 1))
+
+
+def timed_values(sampler, iteration: dict, **rule) -> tuple[float, list, dict]:
+    """(seconds, values, stats) of estimate_values on `iteration` with the vine-count rule `rule`."""
+    start = time.perf_counter()
+    values, stats = estimate_values(sampler=sampler, **iteration, **rule)
+    return time.perf_counter() - start, values, stats
+
+
+def real_vines(model, tokenizer, args) -> dict:
+    """Section 5 of the docstring; prints its lines, returns the ratios of the last line."""
+    bf16 = {c: HFSampler(model, tokenizer, batch_size=args.gen_batch_size, dtype=torch.bfloat16, continuous=c)
+            for c in (False, True)}
+    fp32 = {c: HFSampler(model, tokenizer, batch_size=args.gen_batch_size, continuous=c) for c in (False, True)}
+    iteration = vine_iteration(bf16[True], tokenizer, data_dir=args.data_dir, prompts=args.vine_prompts,
+                               samples=args.vine_samples, max_new_tokens=args.vine_max_new_tokens)
+    fixed, adaptive = {"k_mode": "fixed"}, {"k_mode": "adaptive", "k_ci": 0.45}
+    runs = {}  # (loop, dtype, rule) -> (seconds, values, stats), in this order: neighbours compared, as A B A B
+    for name, sampler, rule in (("static bf16 fixed", bf16[False], fixed), ("continuous bf16 fixed", bf16[True], fixed),
+                                ("continuous bf16 adaptive:0.45", bf16[True], adaptive),
+                                ("static bf16 adaptive:0.45", bf16[False], adaptive),
+                                ("continuous bf16 budget:9", bf16[True], {"k_mode": "budget"}),
+                                ("static fp32 fixed", fp32[False], fixed), ("continuous fp32 fixed", fp32[True], fixed)):
+        runs[name] = timed_values(sampler, iteration, **rule)
+        seconds, _, stats = runs[name]
+        print(f"real vines, {name}: {seconds:.1f}s, {stats['value_states']} states, {stats['vines']} vines "
+              f"({stats['vines_per_state']:.2f} per state), {stats['vine_tokens']} vine tokens "
+              f"({stats['vine_tokens'] / seconds:.0f} tok/s)", flush=True)
+    same = runs["static fp32 fixed"][1:] == runs["continuous fp32 fixed"][1:]
+    seconds = {name: run[0] for name, run in runs.items()}
+    print(f"real vines: continuous vs static {seconds['static bf16 fixed'] / seconds['continuous bf16 fixed']:.2f}x "
+          f"bf16, {seconds['static fp32 fixed'] / seconds['continuous fp32 fixed']:.2f}x fp32 (fp32 values and vine "
+          f"tokens identical: {same}); adaptive:0.45 / fixed K=9 seconds: continuous "
+          f"{seconds['continuous bf16 adaptive:0.45'] / seconds['continuous bf16 fixed']:.2f}, static "
+          f"{seconds['static bf16 adaptive:0.45'] / seconds['static bf16 fixed']:.2f}; budget:9 / fixed: "
+          f"{seconds['continuous bf16 budget:9'] / seconds['continuous bf16 fixed']:.2f} (continuous)", flush=True)
+    return {"continuous_vs_static": seconds["static bf16 fixed"] / seconds["continuous bf16 fixed"],
+            "adaptive_vs_fixed_seconds": seconds["continuous bf16 adaptive:0.45"] / seconds["continuous bf16 fixed"]}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -169,6 +237,11 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--agree-prompts", type=int, default=16)
+    parser.add_argument("--vine-prompts", type=int, default=4)
+    parser.add_argument("--vine-samples", type=int, default=4)
+    parser.add_argument("--vine-max-new-tokens", type=int, default=192)
+    parser.add_argument("--gen-batch-size", type=int, default=256)
+    parser.add_argument("--only-vines", action="store_true", help="section 5 (real vines) alone")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shape", choices=list(SHAPES), help="bench a random-weight model of this shape, not --model")
     parser.add_argument("--tokenizer", help="the tokenizer's folder or id (default: --model)")
@@ -185,6 +258,9 @@ def main():
         model = random_model(args.shape, tokenizer=tokenizer, device=device)
     else:
         model = load_model(args.model, device=device, dtype=torch.float32, frozen=True)
+    if args.only_vines:
+        print(" ".join(f"{k}={v:.2f}" for k, v in real_vines(model, tokenizer, args).items()))
+        return
     sampler = HFSampler(model, tokenizer, batch_size=256)
     bf16 = HFSampler(model, tokenizer, batch_size=256, dtype=torch.bfloat16)
     sampler.stop_ids = bf16.stop_ids = set()  # no EOS: every row generates exactly the tokens asked for
@@ -267,11 +343,14 @@ def main():
     print(f"greedy bf16 vs fp32, 64 tokens from {len(agree)} prompts: leading tokens in agreement {sorted(agree)} "
           f"(median {sorted(agree)[len(agree) // 2]}, all 64 in {agree.count(64)})", flush=True)
 
+    real = real_vines(model, tokenizer, args)
+    report["real_vines"] = real
     line = f"reuse_overhead={reuse / alone:.2f} reuse_vs_naive={naive / reuse:.2f}"
     if 64 in results and 256 in results:
         line = f"speedup_b64={results[64][1] / results[64][0]:.2f} frac_b256={results[256][1] / results[256][2]:.2f} " + line
         line += (f" bf16_vs_fp32_b64={results[64][3] / results[64][1]:.2f} "
                  f"bf16_vs_fp32_b256={results[256][3] / results[256][1]:.2f}")
+    line += "".join(f" {k}={v:.2f}" for k, v in real.items())
     print(line)
     if args.json:
         report["summary"] = line

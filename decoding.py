@@ -8,12 +8,16 @@ fp32.
 - decode_attention splits each row's context in two: its prefix, a *view* of the sequence's prefill cache shared by
   every row that continues it (the K vines of a state, the states of one response), and the few tokens the row
   generated itself; it scores both, then takes one softmax over the joined scores.
-- sample_tokens draws top-p samples with the Gumbel-max trick. Its noise is a hash of (seed, row, step, token), so a
-  row samples the same tokens whatever else shares its batch (finished rows leave, batches regroup).
+- decode_attention also reads each row's own generated tokens from its slot of the suffix cache; rows may be at
+  different steps (continuous batching refills a finished row's slot with a new row): suffix_layout says where each
+  row writes and how far it reads.
+- sample_tokens draws top-p samples with the Gumbel-max trick. Its noise is a hash of (seed, row key, step, token),
+  each per row, so a row samples the same tokens whatever else shares its batch and whenever it started (finished
+  rows leave, batches regroup, slots are refilled).
 
 Shapes: B = rows, t = new positions, T = prefill length, W = cache width, V = vocab, L = layers, H = query heads,
 Hkv = KV heads, G = H / Hkv, D = head dim, k = top-p candidates, S = sequences (prefixes) in a batch, R = rows per
-sequence, Wp = prefix columns.
+sequence, Wp = prefix columns, Ws = suffix cache width (the longest budget), n = suffix columns read.
 """
 import importlib
 
@@ -33,19 +37,27 @@ def mix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 31) & 0x1FFFFFFFF)
 
 
-def gumbel(*, seed: int, rows: torch.Tensor, step: int, token_ids: torch.Tensor) -> torch.Tensor:
-    """(B, k) Gumbel noise that depends only on (seed, row key, step, token id)."""
-    x = mix64(mix64(mix64(torch.full_like(rows, seed)) ^ rows) ^ step)[:, None]  # (B, 1)
+def per_row(x, rows: torch.Tensor) -> torch.Tensor:
+    """(B,) int64: x as one value per row, x an int (shared by every row) or already (B,)."""
+    return torch.as_tensor(x, dtype=torch.long, device=rows.device).expand(rows.shape)
+
+
+def gumbel(*, seed, rows: torch.Tensor, step, token_ids: torch.Tensor) -> torch.Tensor:
+    """(B, k) Gumbel noise that depends only on (seed, row key, step, token id); seed and step are ints (the same for
+    every row) or (B,) tensors (each row its own: rows of a continuous batch are at different steps)."""
+    x = mix64(mix64(mix64(per_row(seed, rows)) ^ rows) ^ per_row(step, rows))[:, None]  # (B, 1)
     u = ((mix64(x ^ token_ids) >> 11) & ((1 << 53) - 1)).double().add(0.5).div(2.0 ** 53)  # (B, k) in (0, 1)
     return -torch.log(-torch.log(u)).float()
 
 
-def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float, seed: int, rows: torch.Tensor,
-                  step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float, seed, rows: torch.Tensor,
+                  step) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) next tokens from logits (B, V), greedy at temperature 0, else top-p sampling by the Gumbel-max trick;
     and (B,) their log-probs under the distribution sampled from: softmax(logits / T) renormalised over the top-p
     nucleus (the whole vocabulary at T = 1 when greedy), as vLLM reports them (sampling.py). In fp32 whatever the
-    logits' dtype. Only the candidates' log-probs are formed (logit / T - logsumexp), not a (B, V) log-softmax."""
+    logits' dtype. Only the candidates' log-probs are formed (logit / T - logsumexp), not a (B, V) log-softmax.
+    seed, step: ints or (B,) (gumbel)."""
+    seed, step = per_row(seed, rows), per_row(step, rows)  # (B,), (B,)
     scaled = logits.float() if temperature in (0, 1) else logits.float() / temperature  # (B, V)
     lse = torch.logsumexp(scaled, dim=-1, keepdim=True)  # (B, 1)
     log_mass = torch.zeros(len(scaled), device=scaled.device)  # (B,) log of the nucleus' mass
@@ -61,20 +73,21 @@ def sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float, see
         chosen = torch.empty(len(scaled), dtype=torch.long, device=scaled.device)
         if wide.any():  # rare at T = 0.6: sort the whole vocabulary for these rows only
             full_logits, full_ids = scaled[wide].sort(dim=-1, descending=True)  # (b, V)
-            chosen[wide], log_mass[wide] = nucleus_pick(full_logits - lse[wide], full_ids, top_p=top_p, seed=seed,
-                                                        rows=rows[wide], step=step)
-        chosen[~wide], log_mass[~wide] = nucleus_pick(cand_logp[~wide], cand_ids[~wide], top_p=top_p, seed=seed,
-                                                      rows=rows[~wide], step=step)
+            chosen[wide], log_mass[wide] = nucleus_pick(full_logits - lse[wide], full_ids, top_p=top_p,
+                                                        seed=seed[wide], rows=rows[wide], step=step[wide])
+        chosen[~wide], log_mass[~wide] = nucleus_pick(cand_logp[~wide], cand_ids[~wide], top_p=top_p,
+                                                      seed=seed[~wide], rows=rows[~wide], step=step[~wide])
     return chosen, (scaled.gather(-1, chosen[:, None]) - lse).squeeze(-1) - log_mass
 
 
-def next_tokens(model, hidden: torch.Tensor, *, rows: torch.Tensor, temperature: float, logits: torch.Tensor,
-                scratch: torch.Tensor, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+def next_tokens(model, hidden: torch.Tensor, *, rows: torch.Tensor, seed, step, temperature: float, top_p: float,
+                logits: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B,) tokens sampled from the last hidden states (B, hidden), and their log-probs (B,) (see sample_tokens).
     The logits are written into `logits`, a reused (>= B, V) buffer in the model's dtype: a fresh 50 MB tensor per
     step costs more in page faults than its matmul saves. The temperature divides the hidden state (lm_head has no
     bias), not the (B, V) logits. Sampling goes len(scratch) rows at a time, in fp32: bf16 logits are first copied
-    into `scratch`, a reused (chunk, V) fp32 buffer."""
+    into `scratch`, a reused (chunk, V) fp32 buffer. seed, step: ints or (B,), as in gumbel."""
+    seed, step = per_row(seed, rows), per_row(step, rows)  # (B,), (B,)
     if temperature > 0:
         hidden = hidden / temperature
     logits = torch.mm(hidden, model.lm_head.weight.t(), out=logits[:len(hidden)])  # (B, V)
@@ -83,11 +96,12 @@ def next_tokens(model, hidden: torch.Tensor, *, rows: torch.Tensor, temperature:
         part = logits[i:i + chunk]  # (chunk, V)
         if part.dtype != torch.float32:
             part = scratch[:len(part)].copy_(part)
-        picks.append(sample_tokens(part, temperature=float(temperature > 0), rows=rows[i:i + chunk], **sampling))
+        picks.append(sample_tokens(part, temperature=float(temperature > 0), top_p=top_p, rows=rows[i:i + chunk],
+                                   seed=seed[i:i + chunk], step=step[i:i + chunk]))
     return torch.cat([tokens for tokens, _ in picks]), torch.cat([logp for _, logp in picks])
 
 
-def nucleus_pick(sorted_logp, sorted_ids, *, top_p: float, seed: int, rows, step: int):
+def nucleus_pick(sorted_logp, sorted_ids, *, top_p: float, seed, rows, step):
     """Sample among the smallest likeliest-first prefix of tokens whose probability reaches top_p; returns the tokens
     (B,) and the log of that nucleus' mass (B,)."""
     probs = sorted_logp.exp()  # (B, k)
@@ -120,13 +134,14 @@ def decoder_forward(model, *, ids, positions, attend) -> torch.Tensor:
     return inner.norm(x)
 
 
-def prefill_attention(layer: int, q, k, v, *, scale: float, keys, values, start: int, bias) -> torch.Tensor:
-    """Prefill: store k, v (B, Hkv, T, D) at cache columns [start, start + T) of keys/values (L, B, Hkv, D, W),
-    stored transposed (see decode_attention); attend among the T new positions with bias (B, 1, T, T) (0: allowed,
-    -inf: not)."""
+def prefill_attention(layer: int, q, k, v, *, scale: float, keys, values, places, start: int, bias) -> torch.Tensor:
+    """Prefill: store k, v (B, Hkv, T, D) at cache columns [start, start + T) of sequences `places` (a slice, or a
+    (B,) index tensor: the free places of continuous batching's pool) of keys/values (L, G, Hkv, D, W), stored
+    transposed (see decode_attention); attend among the T new positions with bias (B, 1, T, T) (0: allowed, -inf:
+    not)."""
     T = q.shape[2]
-    keys[layer][:, :, :, start:start + T] = k.transpose(-1, -2)
-    values[layer][:, :, :, start:start + T] = v.transpose(-1, -2)
+    keys[layer][places, :, :, start:start + T] = k.transpose(-1, -2)
+    values[layer][places, :, :, start:start + T] = v.transpose(-1, -2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -176,19 +191,40 @@ def to_rows(x: torch.Tensor, prefix: dict, Hkv: int) -> torch.Tensor:
     return x[prefix["row_place"]]
 
 
+def suffix_layout(steps: list[int], *, device) -> dict:
+    """Where each decoding row keeps its own generated tokens: row r (slot r of the suffix cache) writes this step's
+    key/value at column steps[r] (its own step) and reads columns 0..steps[r]; columns past it (a longer row beside
+    it, or what an earlier row of the slot left) are masked out with -inf. When every row is at the same step
+    (the static loop) there is nothing to mask."""
+    width = max(steps) + 1
+    at = torch.tensor(steps, device=device)  # (B,)
+    bias = None
+    if min(steps) != max(steps):
+        bias = torch.zeros(len(steps), 1, 1, width, device=device)  # (B, 1, 1, n) n = width
+        bias.masked_fill_(torch.arange(width, device=device) > at[:, None, None, None], float("-inf"))
+    return {"steps": at, "rows": torch.arange(len(steps), device=device), "width": width, "bias": bias}
+
+
 def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_keys, prefix_values, suffix_keys,
-                     suffix_values, step: int) -> torch.Tensor:
+                     suffix_values, suffix: dict) -> torch.Tensor:
     """Decoding one token per row (t = 1). Row r attends to its prefix, a view of the prefill cache (never copied),
-    and to the `step + 1` tokens it generated, kept in suffix_keys/values (L, B, Hkv, S, D), in fp32 whatever the
-    model's dtype: they are few per row, and on this CPU bf16's tiny per-row matmuls run slower than fp32's. The
-    prefix cache (L, S, Hkv, D, Wp) is stored transposed: on this CPU both of its batched matmuls then run at the
-    speed of reading the cache, 1.25-1.9x faster than on (Wp, D) blocks. The scores of both parts are joined for one fp32 softmax;
-    the weights go back to the cache's dtype for the two weighted sums."""
+    and to the tokens it generated itself, kept in its slot of suffix_keys (L, B, Hkv, D, Ws), stored transposed (4x
+    faster q.K than (Ws, D) rows here once rows are ~100+ tokens in), and suffix_values (L, B, Hkv, Ws, D), in fp32
+    whatever the model's dtype: on this CPU bf16's tiny per-row matmuls run slower than fp32's.
+    `suffix` (suffix_layout) gives each row's own step: its new key/value goes to that column, and it reads the
+    columns up to it. The prefix cache (L, S, Hkv, D, Wp) is stored transposed: on this CPU both of its batched
+    matmuls then run at the speed of reading the cache, 1.25-1.9x faster than on (Wp, D) blocks. The scores of both
+    parts are joined for one fp32 softmax; the weights go back to the cache's dtype for the two weighted sums."""
     B, H, _, D = q.shape
     Hkv = k.shape[1]
     G = H // Hkv
-    suffix_keys[layer][:, :, step] = k[:, :, 0]
-    suffix_values[layer][:, :, step] = v[:, :, 0]
+    n = suffix["width"]  # suffix columns read: the furthest row's step + 1
+    if suffix["bias"] is None:  # every row at step n - 1
+        suffix_keys[layer][..., n - 1] = k[:, :, 0]
+        suffix_values[layer][:, :, n - 1] = v[:, :, 0]
+    else:
+        suffix_keys[layer][suffix["rows"], :, :, suffix["steps"]] = k[:, :, 0].to(suffix_keys.dtype)  # (B, Hkv, D)
+        suffix_values[layer][suffix["rows"], :, suffix["steps"]] = v[:, :, 0].to(suffix_values.dtype)
     q = q.reshape(B, Hkv, G, D) * scale  # (B, Hkv, G, D): the G query heads sharing a KV head
     S, R = prefix["gather"].shape
     one_each = R == 1 and S == B and prefix["in_order"]  # plain sampling: each row its own sequence, in order
@@ -199,10 +235,12 @@ def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_
     qp = q.reshape(S * Hkv, G, D) if one_each else to_sequences(q, prefix)
     scores_p = torch.baddbmm(prefix["bias"], qp, pk)  # (S * Hkv, R * G, Wp), masked by the bias
     scores_p = scores_p.view(B, Hkv, G, Wp) if one_each else to_rows(scores_p, prefix, Hkv)  # (B, Hkv, G, Wp)
-    sk, sv = suffix_keys[layer][:, :, :step + 1], suffix_values[layer][:, :, :step + 1]  # (B, Hkv, step + 1, D)
-    scores_s = torch.matmul(q.float(), sk.transpose(-1, -2))  # (B, Hkv, G, step + 1)
+    sk, sv = suffix_keys[layer][..., :n], suffix_values[layer][:, :, :n]  # (B, Hkv, D, n), (B, Hkv, n, D)
+    scores_s = torch.matmul(q.float(), sk)  # (B, Hkv, G, n)
+    if suffix["bias"] is not None:
+        scores_s += suffix["bias"]  # (B, 1, 1, n): each row reads only its own steps
     # 2. One softmax over both parts, in fp32.
-    weights = torch.softmax(torch.cat([scores_p.float(), scores_s], -1), dim=-1)  # (B, Hkv, G, Wp + step + 1)
+    weights = torch.softmax(torch.cat([scores_p.float(), scores_s], -1), dim=-1)  # (B, Hkv, G, Wp + n)
     # 3. Weighted sums: the prefix values sequence-major again (in the cache's dtype), the generated tokens' row by row.
     w_p = weights[..., :Wp].to(pv.dtype)  # (B, Hkv, G, Wp)
     w_p = w_p.reshape(S * Hkv, G, Wp) if one_each else to_sequences(w_p, prefix)  # (S * Hkv, R * G, Wp)

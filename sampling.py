@@ -3,6 +3,8 @@
 - Sample, and cut_at_stop, which trims raw generated ids at a stop token / stop string / the length limit;
 - sampler_model / sync_weights: the sampler's own copy of the weights in the compute dtype, refreshed after updates;
 - row_seed: the seed of one sampled row, so that no two rows of an iteration share their random numbers;
+- Request: n continuations of one state, for samplers that take requests while they decode (HFSampler's
+  sample_requests: values.py submits a state's next round of vines as soon as its last one is graded);
 - nucleus_keep / nucleus_log_mass: the top-p nucleus, so that every sampler and the trainer report a token's
   log-prob under the same distribution, the one it was sampled from.
 
@@ -30,6 +32,17 @@ class Sample:
     text: str
     finished: bool
     logprobs: list[float]  # one per token id, under the distribution it was sampled from (see the module's docstring)
+
+
+@dataclass
+class Request:
+    """n continuations of state `state` (an index into the call's sequences / prefix_lens). Row j of it is keyed
+    state * n + j and draws its noise from (seed, key, step, token): what sample_prefixes(..., n, seed) gives row
+    (state, j). `tag`: the caller's (values.py: the round)."""
+    state: int
+    n: int
+    seed: int
+    tag: int = 0
 
 
 def cut_at_stop(ids: list[int], *, logprobs: list[float], tokenizer, stop_ids: set[int], stop_strings: list[str],

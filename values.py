@@ -7,15 +7,24 @@ the length limit scores 0. Identical states across the batch are estimated once.
 
 Steps are found in text (`split_steps`) and mapped to tokens through each token's character offset: a token belongs
 to the step holding its first character, so the state before step j is prompt + response tokens[:start_j].
+
+How many vines a state gets is `round_sizes`' rule (fixed K, or rounds: adaptive, budget, official). With a sampler
+that takes requests while it decodes (HFSampler.sample_requests), a state's next round is submitted as soon as its
+previous vines are graded, into the running batch: fixed, adaptive and official decide each state from its own
+rewards, so no state waits for another; budget shares its vines out over all states, so its next round is decided
+when every state's round is graded (a barrier per round, but no new prefill). Other samplers get the rounds one call
+at a time. Every (state, round, vine) row draws its own noise: round r's n vines of state i are the rows i * n + j of
+seed row_seed(seed, r, n); fixed K is round 0, one call of K for every state, as before requests existed.
 """
 import math
 import re
+from functools import partial
 
 import torch
 
 import dist
 from grader import grade
-from sampling import row_seed
+from sampling import Request, row_seed
 
 # Math that must stay whole: $$..$$, $..$ (not \$), \(..\), \[..\], \begin{env}..\end{env}, [asy]..[/asy].
 MATH_SPAN = re.compile(r"(?<!\\)\$\$.+?(?<!\\)\$\$|(?<!\\)\$.+?(?<!\\)\$|\\\(.+?\\\)|\\\[.+?\\\]"
@@ -148,13 +157,19 @@ def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], 
     budgets = [max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)]
     vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
                                     max_new_tokens=budgets, seed=seed) if sequences else []
-    scores, tokens = [], 0
-    for seq, L, p, answer, samples in zip(sequences, prefix_lens, prompt_lens, answers, vines):
-        texts = sampler.tokenizer.batch_decode([seq[p:L] + v.token_ids for v in samples], skip_special_tokens=True)
-        scores.append([grade(text, answer, dataset=dataset, truncated=not v.finished)
-                       for text, v in zip(texts, samples)])
-        tokens += sum(len(v.token_ids) for v in samples)
-    return scores, tokens
+    scores = [grade_vines(samples, sequence=seq, prefix_len=L, prompt_len=p, answer=answer, dataset=dataset,
+                          tokenizer=sampler.tokenizer)
+              for seq, L, p, answer, samples in zip(sequences, prefix_lens, prompt_lens, answers, vines)]
+    return scores, sum(len(v.token_ids) for samples in vines for v in samples)
+
+
+def grade_vines(samples, *, sequence, prefix_len: int, prompt_len: int, answer: str, dataset: str,
+                tokenizer) -> list[float]:
+    """The 0/1 rewards of a state's vines, each graded as a whole response (the state's response tokens + the vine);
+    a vine cut by the length limit scores 0."""
+    texts = tokenizer.batch_decode([sequence[prompt_len:prefix_len] + v.token_ids for v in samples],
+                                   skip_special_tokens=True)
+    return [grade(text, answer, dataset=dataset, truncated=not v.finished) for text, v in zip(texts, samples)]
 
 
 def wilson_width(successes: float, n: int, *, z: float = 1.96) -> float:
@@ -199,14 +214,65 @@ def round_sizes(rewards: list[list[float]], *, k_mode: str, K: int, k_round: int
     return sizes
 
 
+PER_STATE_RULES = ("fixed", "adaptive", "official")  # round_sizes decides each of these from the state's own rewards
+
+
 def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, dataset: str, K: int, k_mode: str,
                  k_round: int, k_max: int, k_ci: float, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int = 0) -> tuple[list[list[float]], int]:
     """The rewards of every state's vines, sampled in rounds (round_sizes; `fixed` is one round of K), and the number
-    of tokens sampled. Each round continues its states from their prefixes again (prefilled once per round)."""
+    of tokens sampled. With sampler.sample_requests, one call: a state's next round joins the running batch as soon
+    as its vines are graded (budget: once every state's are); else one sampler call per round and vine count."""
+    rule = dict(k_mode=k_mode, K=K, k_round=k_round, k_max=k_max, k_ci=k_ci)
+    if not hasattr(sampler, "sample_requests"):
+        return vine_rewards_in_rounds(sampler=sampler, sequences=sequences, prefix_lens=prefix_lens,
+                                      prompt_lens=prompt_lens, answers=answers, dataset=dataset, rule=rule,
+                                      temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    progress = {"rewards": [[] for _ in sequences], "tokens": 0, "open": 0}  # open: requests of a budget round
+    first = round_requests(progress, round_=0, rule=rule, seed=seed)
+    if first:
+        on_done = partial(grade_and_continue, progress=progress, rule=rule, seed=seed, sequences=sequences,
+                          prefix_lens=prefix_lens, prompt_lens=prompt_lens, answers=answers, dataset=dataset,
+                          tokenizer=sampler.tokenizer)
+        sampler.sample_requests(sequences, prefix_lens, first, on_done=on_done, temperature=temperature, top_p=top_p,
+                                max_new_tokens=[max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)])
+    return progress["rewards"], progress["tokens"]
+
+
+def round_requests(progress: dict, *, round_: int, rule: dict, seed: int) -> list[Request]:
+    """Round `round_` for every state that round_sizes gives vines to, given all the rewards so far."""
+    sizes = round_sizes(progress["rewards"], **rule)
+    requests = [Request(i, n, row_seed(seed, round_, n), round_) for i, n in enumerate(sizes) if n]
+    progress["open"] += len(requests)
+    return requests
+
+
+def grade_and_continue(request: Request, samples, *, progress: dict, rule: dict, seed: int, sequences, prefix_lens,
+                       prompt_lens, answers, dataset: str, tokenizer) -> list[Request]:
+    """on_done of vine_rewards' requests: grade one state's round of vines, then ask for what comes next: that
+    state's next round at once (per-state rules), or, once the last state of a budget round is graded, the next
+    round of every state that round_sizes picks."""
+    i = request.state
+    progress["rewards"][i] += grade_vines(samples, sequence=sequences[i], prefix_len=prefix_lens[i],
+                                          prompt_len=prompt_lens[i], answer=answers[i], dataset=dataset,
+                                          tokenizer=tokenizer)
+    progress["tokens"] += sum(len(v.token_ids) for v in samples)
+    progress["open"] -= 1
+    if rule["k_mode"] in PER_STATE_RULES:
+        n = round_sizes([progress["rewards"][i]], **rule)[0]
+        return [Request(i, n, row_seed(seed, request.tag + 1, n), request.tag + 1)] if n else []
+    return [] if progress["open"] else round_requests(progress, round_=request.tag + 1, rule=rule, seed=seed)
+
+
+def vine_rewards_in_rounds(*, sampler, sequences, prefix_lens, prompt_lens, answers, dataset: str, rule: dict,
+                           temperature: float, top_p: float, max_new_tokens: int, seed: int):
+    """vine_rewards for samplers without sample_requests (transformers' generate; vLLM, which batches continuously
+    itself): every round waits for the last vine of the one before; one sampler call per vine count, of seed
+    row_seed(seed, r, n), whose rows are keyed by the state's place in that call: the same rows as vine_rewards'
+    in round 0 (every state takes part), other (equally random) ones after it."""
     rewards, tokens = [[] for _ in sequences], 0
     for round_ in range(10_000):
-        sizes = round_sizes(rewards, k_mode=k_mode, K=K, k_round=k_round, k_max=k_max, k_ci=k_ci)
+        sizes = round_sizes(rewards, **rule)
         if not any(sizes):
             break
         for n in sorted(set(sizes) - {0}):  # one sampler call per vine count

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import model as model_mod
-from decoding import decode_attention, prefix_layout
+from decoding import decode_attention, prefix_layout, suffix_layout
 from model import Scorer
 from ppo import (batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_loss, ppo_update, sampler_mismatch,
                  tis_weights)
@@ -110,34 +110,37 @@ def naive_attention(q, keys, values):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("shared", [False, True])
-def test_decode_attention_equals_plain_softmax_attention(dtype, tol, shared):
+@pytest.mark.parametrize("ragged", [False, True])
+def test_decode_attention_equals_plain_softmax_attention(dtype, tol, shared, ragged):
     """Both layouts (each row its own sequence; several rows continuing prefixes of one sequence, some stopping
-    early in it) against the obvious computation, in fp32 and bf16."""
+    early in it) against the obvious computation, in fp32 and bf16; rows at one step (the static loop) or each at
+    its own (continuous batching), with junk in the suffix columns a row must not read."""
     g = torch.Generator().manual_seed(0)
-    L, Hkv, G, D, step = 2, 2, 3, 8, 3
+    L, Hkv, G, D = 2, 2, 3, 8
     lens = [5, 7, 4] if not shared else [6, 3, 6, 5]  # prefix length of each row
     seq_lens = [5, 7, 4] if not shared else [6, 5]
     slots = [0, 1, 2] if not shared else [0, 0, 0, 1]
     W, B = max(seq_lens), len(slots)
+    steps = ([3, 0, 6, 1] if ragged else [3] * 4)[:B]  # each row's own step: the suffix column it writes
     keys = torch.randn(L, len(seq_lens), Hkv, D, W, generator=g).to(dtype)  # right-aligned, transposed cache
     values = torch.randn(L, len(seq_lens), Hkv, D, W, generator=g).to(dtype)
     cache = {"keys": keys, "values": values, "lens": seq_lens, "width": W}
-    suffix_keys = torch.zeros(L, B, Hkv, 8, D)  # the generated tokens' cache is fp32 whatever the model's dtype
-    suffix_values = torch.zeros(L, B, Hkv, 8, D)
-    suffix_keys[:, :, :, :step] = torch.randn(L, B, Hkv, step, D, generator=g)
-    suffix_values[:, :, :, :step] = torch.randn(L, B, Hkv, step, D, generator=g)
+    suffix_keys = torch.randn(L, B, Hkv, D, 8, generator=g)  # transposed; fp32 whatever the model's dtype. Past a
+    suffix_values = torch.randn(L, B, Hkv, 8, D, generator=g)  # row's step: what an earlier row left, never read
     layout = prefix_layout(slots=slots, lens=lens, cache=cache, heads_per_kv=G)
     q = torch.randn(B, Hkv * G, 1, D, generator=g).to(dtype)
     k, v = (torch.randn(B, Hkv, 1, D, generator=g).to(dtype) for _ in range(2))
     for layer in range(L):
         out = decode_attention(layer, q, k, v, scale=1.0, prefix=layout, prefix_keys=keys, prefix_values=values,
-                               suffix_keys=suffix_keys, suffix_values=suffix_values, step=step)
+                               suffix_keys=suffix_keys, suffix_values=suffix_values,
+                               suffix=suffix_layout(steps, device=q.device))
         assert out.dtype == dtype and out.shape == (B, Hkv * G, 1, D)
         for r in range(B):
-            s, start = slots[r], W - seq_lens[slots[r]]
+            s, start, step = slots[r], W - seq_lens[slots[r]], steps[r]
+            torch.testing.assert_close(suffix_keys[layer, r, :, :, step], k[r, :, 0].float())  # written at its step
             pk = keys[layer, s, :, :, start:start + lens[r]].permute(2, 0, 1)  # (n, Hkv, D)
             pv = values[layer, s, :, :, start:start + lens[r]].permute(2, 0, 1)
-            all_k = torch.cat([pk, suffix_keys[layer, r, :, :step + 1].transpose(0, 1)])
+            all_k = torch.cat([pk, suffix_keys[layer, r, :, :, :step + 1].permute(2, 0, 1)])
             all_v = torch.cat([pv, suffix_values[layer, r, :, :step + 1].transpose(0, 1)])
             torch.testing.assert_close(out[r, :, 0].float(), naive_attention(q[r, :, 0], all_k, all_v),
                                        atol=tol, rtol=tol)

@@ -1,10 +1,14 @@
-"""The transformers sampler on the real SmolLM2: greedy tokens against a reference computation, seeding, limits."""
+"""The transformers sampler on the real SmolLM2: greedy tokens against a reference computation, seeding, limits,
+continuous batching against the static loop."""
+from functools import partial
+
 import pytest
 import torch
 
 from decoding import gumbel, sample_tokens
 from hf_sampler import HFSampler
 from rollout import GenerateSampler, Sample, cut_at_stop
+from sampling import Request
 
 
 def reference_greedy(model, prompt, steps, stop_ids):
@@ -110,6 +114,56 @@ def test_rows_sample_the_same_whatever_shares_their_batch(smol, prompts):
     assert all(len(s.token_ids) <= 3 for s in big[0]) and any(len(s.token_ids) > 3 for s in big[1])
 
 
+@pytest.fixture(scope="module")
+def states(smol, prompts):
+    """Five states of three sequences (three prefixes of one), each its own budget."""
+    _, tokenizer = smol
+    seq = prompts[0] + tokenizer("12 + 30 = 42.\nSo the answer is 42.", add_special_tokens=False).input_ids
+    return ([seq, seq, seq, prompts[1], prompts[2]],
+            [len(prompts[0]), len(prompts[0]) + 4, len(seq), len(prompts[1]), len(prompts[2])], [20, 12, 3, 16, 8])
+
+
+def test_continuous_batching_samples_the_static_loops_tokens(smol, states):
+    """fp32, EOS on, 4 decode slots for 15 rows: finished rows' slots are refilled by rows that start at step 0 beside
+    rows far into theirs; with group_tokens=1 the prefill pool holds one sequence at a time (prefilled as places free
+    up). Every row's tokens equal the static loop's, row for row; log-probs to rounding."""
+    model, tokenizer = smol
+    seqs, lens, budgets = states
+    kwargs = dict(n=3, temperature=0.6, top_p=0.9, max_new_tokens=budgets, seed=7)
+    static = HFSampler(model, tokenizer, batch_size=4, continuous=False).sample_prefixes(seqs, lens, **kwargs)
+    lengths = [len(s.token_ids) for g in static for s in g]
+    assert len(set(lengths)) > 3 and sum(s.finished and len(s.token_ids) < b for g, b in zip(static, budgets)
+                                         for s in g) >= 3  # rows end at many different steps, some at EOS
+    for sampler in (HFSampler(model, tokenizer, batch_size=4), HFSampler(model, tokenizer, batch_size=4,
+                                                                         group_tokens=1)):
+        out = sampler.sample_prefixes(seqs, lens, **kwargs)
+        assert [[s.token_ids for s in g] for g in out] == [[s.token_ids for s in g] for g in static]
+        for a, b in zip([s for g in out for s in g], [s for g in static for s in g]):
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+
+
+def second_round(request, samples, *, log):
+    """on_done for the test below: keep the samples; even states ask for a second round of 2 (its own seed)."""
+    log[(request.state, request.tag)] = [s.token_ids for s in samples]
+    return [Request(request.state, 2, 100 + request.state, 1)] if request.tag == 0 and request.state % 2 == 0 else []
+
+
+def test_requests_added_while_decoding_sample_as_in_static_passes(smol, states):
+    """Requests that on_done returns join the running batch at once (continuous) or wait for the next pass (static):
+    the same rows, the same tokens; in the continuous loop a second round ends before the first round does."""
+    model, tokenizer = smol
+    seqs, lens, budgets = states
+    logs = []
+    for continuous in (False, True):
+        logs.append({})
+        HFSampler(model, tokenizer, batch_size=4, continuous=continuous).sample_requests(
+            seqs, lens, [Request(i, 3, 7) for i in range(len(seqs))], on_done=partial(second_round, log=logs[-1]),
+            temperature=0.6, top_p=0.9, max_new_tokens=budgets)
+    assert logs[0] == logs[1] and len(logs[0]) == 5 + 3
+    order = [tag for _, tag in logs[1]]  # the continuous loop's, in the order the requests ended
+    assert order.index(1) < len(order) - 1 - order[::-1].index(0)
+
+
 def test_gumbel_noise_is_a_pure_function_and_uniform():
     rows, ids = torch.arange(4), torch.arange(1000).expand(4, -1)
     a = gumbel(seed=1, rows=rows, step=3, token_ids=ids)
@@ -117,6 +171,9 @@ def test_gumbel_noise_is_a_pure_function_and_uniform():
     assert torch.equal(a[2:], gumbel(seed=1, rows=rows[2:], step=3, token_ids=ids[2:]))  # independent of batch
     assert not torch.equal(a, gumbel(seed=2, rows=rows, step=3, token_ids=ids))
     assert not torch.equal(a, gumbel(seed=1, rows=rows, step=4, token_ids=ids))
+    mixed = gumbel(seed=torch.tensor([1, 2, 1, 2]), rows=rows, step=torch.tensor([3, 3, 4, 3]), token_ids=ids)
+    for r, (seed, step) in enumerate([(1, 3), (2, 3), (1, 4), (2, 3)]):  # each row its own seed and step
+        assert torch.equal(mixed[r], gumbel(seed=seed, rows=rows, step=step, token_ids=ids)[r])
     u = torch.exp(-torch.exp(-a.double()))  # back to uniforms
     assert abs(u.mean().item() - 0.5) < 0.02 and abs(u.var().item() - 1 / 12) < 0.005
     counts = torch.histc(u.float(), bins=10, min=0, max=1)

@@ -198,3 +198,59 @@ def test_fixed_mode_is_one_round_of_k_and_modes_are_deterministic():
     adaptive = run_modes("adaptive", seed=3, k_ci=0.6)[1]
     assert adaptive["vines_per_state"] < 9 and adaptive["vines_per_state_max"] > 3  # unanimous states stop at 3
     assert run_modes("budget", seed=3)[1]["vines"] == 9 * adaptive["value_states"]
+
+
+class KeyedSampler:
+    """Vines keyed like our sampler's rows: vine j of the i-th state of a call of n each is right with its state's
+    probability p(L) (L = prefix tokens past the 2-token prompt), drawn from a hash of (seed, i * n + j).
+    sample_requests answers its requests in an order shuffled by `order`: a state's next round may be answered
+    before another state's first. `answered`: (state, round) in the order answered."""
+
+    def __init__(self, p, order: int):
+        import random
+        self.tokenizer, self.p, self.order, self.answered = CharTokenizer(), p, random.Random(order), []
+
+    def vine(self, L, seed, key):
+        import random
+        right = random.Random(hash((seed, key))).random() < self.p[L - 2]
+        return Sample([3, 9], "#### 1", True, [0.0, 0.0]) if right else Sample([4, 9], "#### 0", True, [0.0, 0.0])
+
+    def sample_prefixes(self, sequences, prefix_lens, *, n, temperature, top_p, max_new_tokens, seed):
+        return [[self.vine(L, seed, i * n + j) for j in range(n)] for i, L in enumerate(prefix_lens)]
+
+    def sample_requests(self, sequences, prefix_lens, requests, *, on_done, temperature, top_p, max_new_tokens):
+        pending = list(requests)
+        while pending:
+            r = pending.pop(self.order.randrange(len(pending)))
+            self.answered.append((r.state, r.tag))
+            pending += on_done(r, [self.vine(prefix_lens[r.state], r.seed, r.state * r.n + j) for j in range(r.n)])
+
+
+@pytest.mark.parametrize("k_mode", ["fixed", "adaptive", "budget", "official"])
+def test_rounds_without_barriers_give_the_rounds_results(k_mode):
+    """vine_rewards through sample_requests, its requests answered in two shuffled orders, equals the rounds one
+    after another (every state's round r before any round r + 1) on the same keyed vines: the same stopping rule,
+    the same results. Per-state rules really run without a barrier; budget keeps its barrier per round. Fixed K
+    through requests is today's single call of K (row_seed(seed, 0, K))."""
+    from values import mc_rollouts, round_sizes, vine_rewards
+    p = {0: 0.0, 1: 0.5, 2: 1.0, 3: 0.3, 4: 0.6}
+    lens = [2, 3, 4, 5, 6, 3, 4]  # prefix lengths (the prompt is 2 tokens); two pairs of states share a prefix
+    sequences, rule = [[7, 7, 0, 1, 2, 3, 9]] * len(lens), dict(K=9, k_round=3, k_max=15, k_ci=0.45)
+    common = dict(sequences=sequences, prefix_lens=lens, prompt_lens=[2] * len(lens), answers=["1"] * len(lens),
+                  dataset="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=10, seed=11)
+    reference, keyed = [[] for _ in lens], KeyedSampler(p, order=0)
+    for round_ in range(100):  # the rounds one after another, each row keyed (state, round, vine)
+        for i, n in enumerate(round_sizes(reference, k_mode=k_mode, **rule)):
+            reference[i] += [float(keyed.vine(L, row_seed(11, round_, n), i * n + j).text == "#### 1")
+                             for L in [lens[i]] for j in range(n)]
+    assert len({len(r) for r in reference}) > 1 or k_mode == "fixed"  # states got different numbers of vines
+    for order in (1, 2):
+        sampler = KeyedSampler(p, order=order)
+        rewards, tokens = vine_rewards(sampler=sampler, k_mode=k_mode, **rule, **common)
+        assert rewards == reference and tokens == 2 * sum(map(len, reference))
+        rounds = [tag for _, tag in sampler.answered]
+        later_first = any(a > b for a, b in zip(rounds, rounds[1:]))  # a later round answered before an earlier one
+        assert later_first == (k_mode in ("adaptive", "official")), rounds
+    if k_mode == "fixed":
+        today, _ = mc_rollouts(sampler=KeyedSampler(p, order=0), K=9, **{**common, "seed": row_seed(11, 0, 9)})
+        assert rewards == today

@@ -1,0 +1,246 @@
+"""Continuous batching for HFSampler (hf_sampler.py): a full decode batch until the last row.
+
+The static loop decodes fixed batches: a row that ends leaves, no row takes its place, and each batch runs at
+shrinking width until its longest row ends (vines differ a lot in length: a state-0 vine writes the whole answer, a
+last-state vine one line). Here, as in vLLM's scheduler, rows are admitted as others finish:
+
+- Rows wait in queues, one per distinct sequence (parent), each row a state's prefix, its budget and its noise key.
+  A free slot takes the next row of the parent with the fewest rows decoding (decode_attention pads every parent's
+  rows to the most any parent has: balanced, the padding is small), and in each parent the longest budget first
+  (a state-0 vine has the most left to write): the long rows start early, the batch's last steps go to short ones.
+- The pool: the prefill cache of up to P parents at the width W of the longest one, P x W about group_tokens (the
+  static loop's bound on one prefill group, rounded up to whole parents). A parent is prefilled into a free place
+  as soon as one of its rows is queued, ahead of the decode slots' need; once no queued or decoding row continues
+  it, it stays until its place is needed by another. When every parent fits (a default CPU iteration's 16
+  responses do), each is prefilled once per call, however many rounds of vines its states get; otherwise parents
+  are served P at a time, in prefill order, and one whose rows come back after it left is prefilled again.
+- The decode batch: B slots of the suffix cache. A slot freed by a finished row is refilled at the next step by the
+  best queued row of a placed parent; the new row samples its first token from its prefix's last hidden state, its
+  suffix starts empty (what the slot's last row left is masked: decoding.suffix_layout), its step at 0 and its
+  positions at its prefix length + its own step. Its noise (seed, key, its own step, token), and so its tokens in
+  fp32, do not depend on what shares its batch or when it started. When nothing can be admitted, finished rows
+  leave once they are a quarter of the batch, as in the static loop.
+- When a request's rows are all done, on_done(request, samples) is called at once; the requests it returns join the
+  queues in the same step (values.py: a state's next round of vines, with no barrier).
+
+Shapes: B = decode slots, b = rows sampled together (those just admitted, or the live ones), P = pool places,
+W = pool width, V = vocab, hidden = the model's width, L = layers, Hkv = KV heads, Ws = the longest budget,
+D = head dim.
+"""
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from decoding import decode_attention, decoder_forward, next_tokens, prefix_layout, suffix_layout
+from sampling import Request, cut_at_stop
+
+
+@dataclass
+class Row:
+    state: int
+    parent: int
+    prefix_len: int
+    budget: int
+    seed: int
+    key: int  # state * n + j: row j of its request
+    request: int  # its request's number in Schedule.open
+    index: int  # j
+    place: int = -1  # its parent's place in the pool, from its admission on
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class Schedule:
+    """The continuous loop's bookkeeping: what waits, what is prefilled, what is still open."""
+    parent_of: list[int]  # state -> parent
+    rank: list[int]  # parent -> its place in prefill order (by length)
+    window: int  # P: parents the pool holds
+    queues: list[list]  # parent -> heap of (priority, request number, j, Row)
+    place: dict = field(default_factory=dict)  # parent -> its place in the pool
+    free: list = field(default_factory=list)  # places no parent has taken yet
+    users: list = field(default_factory=list)  # parent -> its rows queued or decoding
+    open: dict = field(default_factory=dict)  # request number -> [request, rows not done, samples]
+    made: int = 0  # requests so far
+    rows: int = 0  # rows so far
+
+
+def distinct_sequences(sequences, prefix_lens, *, states: list[int], reuse: bool):
+    """The parents of `states`: each distinct sequence once (every state its own if not reuse), with the longest
+    prefix of it that a state needs. Returns (parent of each state (a dict), parents' tokens, needed lengths)."""
+    index, parent_of, parents = {}, {}, []
+    for i in states:
+        key = tuple(sequences[i]) if reuse else i
+        if key not in index:
+            index[key] = len(parents)
+            parents.append(list(sequences[i]))
+        parent_of[i] = index[key]
+    need = [0] * len(parents)
+    for i in states:
+        need[parent_of[i]] = max(need[parent_of[i]], prefix_lens[i])
+    return parent_of, parents, need
+
+
+def enqueue(schedule: Schedule, requests: list[Request], *, prefix_lens, budgets):
+    """Queue every row of `requests`, longest budget first within a window of P parents (prefill order)."""
+    for request in requests:
+        number, p = schedule.made, schedule.parent_of[request.state]
+        schedule.made += 1
+        schedule.open[number] = [request, request.n, [None] * request.n]
+        schedule.users[p] += request.n
+        schedule.rows += request.n
+        for j in range(request.n):
+            row = Row(state=request.state, parent=p, prefix_len=prefix_lens[request.state],
+                      budget=budgets[request.state], seed=request.seed, key=request.state * request.n + j,
+                      request=number, index=j)
+            priority = (schedule.rank[p] // schedule.window, -row.budget, schedule.rank[p], row.prefix_len)
+            heapq.heappush(schedule.queues[p], (priority, number, j, row))
+
+
+def to_prefill(schedule: Schedule) -> list[tuple[int, int]]:
+    """(parent, place) for the parents with queued rows that are not in the pool, best first: into a free place,
+    else into the place of a parent that no queued or decoding row continues (it leaves the pool)."""
+    waiting = sorted([p for p, queue in enumerate(schedule.queues) if queue and p not in schedule.place],
+                     key=lambda p: schedule.queues[p][0][:3])
+    idle = sorted(p for p in schedule.place if schedule.users[p] == 0)
+    out = []
+    for p in waiting:
+        if not schedule.free and not idle:
+            break
+        out.append((p, schedule.free.pop(0) if schedule.free else schedule.place.pop(idle.pop(0))))
+    return out
+
+
+def next_row(schedule: Schedule) -> Row | None:
+    """The next row to decode, taken off its queue: of the parents in the pool (in the first window), the one with
+    the fewest rows decoding, its best row. None if no queued row's parent is in the pool."""
+    ready = [p for p in schedule.place if schedule.queues[p]]
+    if not ready:
+        return None
+    decoding = {p: schedule.users[p] - len(schedule.queues[p]) for p in ready}
+    best = min(ready, key=lambda p: (schedule.queues[p][0][0][0], decoding[p], schedule.queues[p][0][:3]))
+    return heapq.heappop(schedule.queues[best])[-1]
+
+
+def finish(schedule: Schedule, row: Row, sample, *, on_done) -> list[Request]:
+    """Record a finished row; if it was its request's last, hand the request's samples to on_done and return the
+    requests that it asks for next."""
+    schedule.users[row.parent] -= 1
+    entry = schedule.open[row.request]
+    entry[1] -= 1
+    entry[2][row.index] = sample
+    if entry[1]:
+        return []
+    del schedule.open[row.request]
+    return on_done(entry[0], entry[2])
+
+
+def show_progress(bar, *, tokens: int, rows: int):
+    """A tqdm bar counting rows, with the tokens generated so far and their rate (redraws at most every 0.1 s)."""
+    bar.tokens = getattr(bar, "tokens", 0) + tokens
+    bar.set_postfix_str(f"{bar.tokens} tokens, {bar.tokens / max(bar.format_dict['elapsed'], 1e-3):.0f} tok/s",
+                        refresh=False)
+    bar.update(rows)
+
+
+def take_tokens(sampler, schedule: Schedule, rows: list[Row], hidden: torch.Tensor, *, on_done, temperature, top_p,
+                prefix_lens, budgets, bar):
+    """Sample each row's next token from its hidden state (b, hidden), at its own step; rows that finish are
+    recorded, and the requests their on_done asks for are queued."""
+    device, V = hidden.device, sampler.model.lm_head.weight.shape[0]
+    logits = sampler.buffer("logits", (len(rows), V))  # (b, V), refilled every step
+    scratch = sampler.buffer("logits_fp32", (min(len(rows), 64), V), dtype=torch.float32)  # (chunk, V) sampling
+    tokens, logprobs = next_tokens(sampler.model, hidden, rows=torch.tensor([r.key for r in rows], device=device),
+                                   seed=torch.tensor([r.seed for r in rows], device=device),
+                                   step=torch.tensor([len(r.ids) for r in rows], device=device),
+                                   temperature=temperature, top_p=top_p, logits=logits, scratch=scratch)  # (b,), (b,)
+    finished = 0
+    for row, token, logp in zip(rows, tokens.tolist(), logprobs.tolist()):
+        row.ids.append(token)
+        row.logprobs.append(logp)
+        if sampler.finished(row.ids, row.budget):
+            row.done, finished = True, finished + 1
+            sample = cut_at_stop(row.ids, logprobs=row.logprobs, tokenizer=sampler.tokenizer,
+                                 stop_ids=sampler.stop_ids, stop_strings=sampler.stop_strings, limit=row.budget)
+            enqueue(schedule, finish(schedule, row, sample, on_done=on_done), prefix_lens=prefix_lens,
+                    budgets=budgets)
+    bar.total = schedule.rows
+    show_progress(bar, tokens=len(rows), rows=finished)
+
+
+def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_done, temperature, top_p, bar):
+    """Sample `requests` (and whatever on_done adds) with continuous batching: see the module's docstring."""
+    if not requests:
+        return
+    parent_of, parents, need = distinct_sequences(sequences, prefix_lens, states=list(range(len(sequences))),
+                                                  reuse=sampler.reuse_prefixes)
+    order = sorted(range(len(parents)), key=lambda p: need[p])
+    rank = [0] * len(parents)
+    for r, p in enumerate(order):
+        rank[p] = r
+    W = max(need)
+    P = min(len(parents), max(1, math.ceil(sampler.group_tokens / W)))
+    schedule = Schedule(parent_of=[parent_of[i] for i in range(len(sequences))], rank=rank, window=P,
+                        queues=[[] for _ in parents], free=list(range(P)), users=[0] * len(parents))
+    enqueue(schedule, requests, prefix_lens=prefix_lens, budgets=budgets)
+    cfg = sampler.model.config
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
+    B = min(sampler.batch_size, schedule.rows)  # slots: no more than the first requests' rows (in vine_rewards a
+    # state has one round in flight at a time, so its later rounds never have more rows in flight than the first)
+    cache = sampler.prefix_cache(P, W)
+    suffix_keys, suffix_values = sampler.suffix_cache(B, max(budgets))  # (L, B, Hkv, D, Ws), (L, B, Hkv, Ws, D)
+    take = partial(take_tokens, sampler, schedule, on_done=on_done, temperature=temperature, top_p=top_p,
+                   prefix_lens=prefix_lens, budgets=budgets, bar=bar)
+    batch, layout, device = [], None, cache["keys"].device  # batch[b]: the row in slot b of the suffix cache
+    started, prefill_before = time.perf_counter(), sampler.timing["prefill_s"]
+    while True:
+        # 1. Admit: prefill the parents of waiting rows into free places, then fill free slots; each new row samples
+        #    its first token from its prefix's last hidden state. Rows that finish at once free their slot again.
+        changed, admitted = False, True
+        while admitted:
+            if new_parents := to_prefill(schedule):
+                t0 = time.perf_counter()
+                sampler.prefill([parents[p][:need[p]] for p, _ in new_parents], cache=cache,
+                                places=[place for _, place in new_parents])
+                schedule.place.update(new_parents)
+                sampler.timing["prefill_s"] += time.perf_counter() - t0
+            admitted = []
+            for b in [b for b, row in enumerate(batch) if row.done] + list(range(len(batch), B)):
+                if (row := next_row(schedule)) is None:
+                    break
+                row.place = schedule.place[row.parent]
+                batch[b:b + 1] = [row]  # replaces slot b, or appends at b == len(batch)
+                admitted.append(row)
+            if admitted:
+                changed = True
+                hidden = torch.stack([cache["hidden"][r.place, W - cache["lens"][r.place] + r.prefix_len - 1]
+                                      for r in admitted])  # (b, hidden) each prefix's last position
+                take(admitted, hidden)
+        live = [b for b, row in enumerate(batch) if not row.done]
+        if not live:
+            if any(schedule.queues):
+                raise RuntimeError("continuous batching: rows are queued but none can be admitted")
+            break
+        # 2. Finished rows that no queued row replaces leave once they are a quarter of the batch (in place).
+        if (len(batch) - len(live)) * 4 >= len(batch):
+            for new, old in enumerate(live):
+                if new != old:
+                    suffix_keys[:, new], suffix_values[:, new] = suffix_keys[:, old], suffix_values[:, old]
+            batch, live, changed = [batch[b] for b in live], list(range(len(live))), True
+        if changed:
+            layout = prefix_layout(slots=[r.place for r in batch], lens=[r.prefix_len for r in batch], cache=cache,
+                                   heads_per_kv=G)
+        # 3. One step for every slot (a finished row not yet replaced repeats its last step; its output is unused).
+        ids = torch.tensor([[r.ids[-1]] for r in batch], device=device)  # (B, 1)
+        positions = torch.tensor([[r.prefix_len + len(r.ids) - 1] for r in batch], device=device)  # (B, 1)
+        attend = partial(decode_attention, prefix=layout, prefix_keys=cache["keys"], prefix_values=cache["values"],
+                         suffix_keys=suffix_keys[:, :len(batch)], suffix_values=suffix_values[:, :len(batch)],
+                         suffix=suffix_layout([len(r.ids) - 1 for r in batch], device=device))
+        hidden = decoder_forward(sampler.model, ids=ids, positions=positions, attend=attend)[:, -1]  # (B, hidden)
+        take([batch[b] for b in live], hidden[live] if len(live) < len(batch) else hidden)
+    sampler.timing["decode_s"] += time.perf_counter() - started - (sampler.timing["prefill_s"] - prefill_before)
