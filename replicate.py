@@ -51,9 +51,12 @@ SFT_SETTINGS = ["--dataset", "arith", "--arith-ops", str(PIPELINE_OPS), "--max-s
 # 60 steps of 16 at lr 5e-5 (3% warmup, linear decay): docs/pipeline.md has the calibration (pass@1 after SFT in the
 # 25-60% band, first errors spread over the steps). RL on the same task, from the SFT'd model, with room for the
 # longer worked solutions, and a cheaper evaluation with a smaller standard error than SETTINGS' 200 x 4 every 2
-# minutes (which took 126 s after SFT, and had SE 0.031): all 500 test problems, one sample each, every 3 minutes.
+# minutes (which took 126 s after SFT, and had SE 0.031): all 500 test problems, one sample each (~100 s, SE ~0.022),
+# every 5 minutes. And a smaller learning rate: the one-operation grid's 2e-5 wrecked the SFT model (its entropy is
+# ~0.03 nats a token): pass@1 0.572 -> 0.192 after 4 vine iterations, kl_ref 0.41 by the 7th
+# (results/pipeline-lr2e-5/vine-s0). The paper's RL runs use 1e-6; 3e-6 here, for a 15-minute budget.
 PIPELINE_SETTINGS = ["--arith-ops", str(PIPELINE_OPS), "--max-new-tokens", "128", "--eval-size", "500",
-                     "--eval-samples", "1", "--eval-every-seconds", "180"]
+                     "--eval-samples", "1", "--eval-every-seconds", "300", "--lr", "3e-6"]
 
 
 def run_state(run_dir: Path, *, budget: float) -> str:

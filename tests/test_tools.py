@@ -138,6 +138,21 @@ def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
     assert run_state(run_dir, budget=900) == "fresh"  # cut off with nothing to resume from
 
 
+def test_replicate_pipeline_summary_and_blocks_keyed_by_the_sft_model(tmp_path):
+    from replicate import describe, sft_summary
+    assert sft_summary(tmp_path) == "SFT stage: no metrics here.\n"
+    records = [{"iteration": 0, "eval_accuracy": 0.01}, {"iteration": 1, "loss": 0.5, "train_seconds": 60.0},
+               {"iteration": 2, "loss": 0.1, "train_seconds": 120.0, "eval_accuracy": 0.6,
+                "first_wrong_line": {"1": 3, "2": 5}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    line = sft_summary(tmp_path)
+    assert "2 steps, 2.0 min" in line and "0.010 before, 0.600 after" in line and "{'1': 3, '2': 5}" in line
+    machine = {"cpu": "X", "bf16_units": [], "cpus": 2, "threads": 2, "dtype": "float32"}
+    assert "SFT" not in describe(machine) and "from SFT model 0123456789ab" in describe(
+        {**machine, "sft_sha256": "0123456789abcdef"})
+    assert machine != {**machine, "sft_sha256": "0123456789abcdef"}  # run() compares blocks as whole dicts
+
+
 def test_replicate_extras_use_a_run_that_still_has_its_checkpoint(tmp_path):
     from replicate import latest_checkpoint
     runs = [tmp_path / f"critic-s{seed}" for seed in range(3)]
