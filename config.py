@@ -130,6 +130,16 @@ def parse_dataclass(cls, argv=None, *, description: str | None = None):
     return parser, cls(**vars(parser.parse_args(argv)))
 
 
+def check_sampling_and_resume(parser, cfg):
+    """The checks train.py and sft.py share: --eval-temperature, --top-p, and --resume against --overwrite."""
+    if not cfg.eval_temperature >= 0:
+        parser.error(f"--eval-temperature must be 0 (greedy) or above (got {cfg.eval_temperature})")
+    if not 0 < cfg.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    if cfg.resume and cfg.overwrite:
+        parser.error("--resume and --overwrite contradict each other")
+
+
 def parse_config(argv=None) -> Config:
     parser, cfg = parse_dataclass(Config, argv, description=__doc__)
     # Derived values: what the data set is and how it is graded; paper sizes on a GPU, CPU sizes otherwise.
@@ -194,12 +204,7 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
     if not cfg.temperature > 0:
         parser.error(f"--temperature must be above 0: rollouts and vines are sampled (got {cfg.temperature})")
-    if not cfg.eval_temperature >= 0:
-        parser.error(f"--eval-temperature must be 0 (greedy) or above (got {cfg.eval_temperature})")
-    if not 0 < cfg.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1] (got {cfg.top_p})")
-    if cfg.resume and cfg.overwrite:
-        parser.error("--resume and --overwrite contradict each other")
+    check_sampling_and_resume(parser, cfg)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun --max-restarts: go on
         has_checkpoint = (Path(cfg.out_dir) / "latest").exists()
         cfg.resume, cfg.overwrite = has_checkpoint, not has_checkpoint

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import GracefulStop, load_trainer_state, prepare_out_dir, repair_metrics, restore, save_checkpoint
-from config import arg, parse_dataclass, unwritable
+from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
 from data import dataset_problem, encode_prompt, load_split, task_of
 from grader import grader_of, is_number
 from hf_sampler import HFSampler
@@ -113,12 +113,7 @@ def parse_sft_config(argv=None) -> SFTConfig:
         parser.error(f"--lr must be above 0 (got {cfg.lr})")
     if not 0 <= cfg.warmup_ratio < 1:
         parser.error(f"--warmup-ratio must be in [0, 1) (got {cfg.warmup_ratio})")
-    if not cfg.eval_temperature >= 0:
-        parser.error(f"--eval-temperature must be 0 (greedy) or above (got {cfg.eval_temperature})")
-    if not 0 < cfg.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1] (got {cfg.top_p})")
-    if cfg.resume and cfg.overwrite:
-        parser.error("--resume and --overwrite contradict each other")
+    check_sampling_and_resume(parser, cfg)
     problem = unwritable(Path(cfg.out_dir))
     if problem:
         parser.error(f"--out-dir {cfg.out_dir}: {problem}")
