@@ -116,7 +116,8 @@ def sft_stage(out: Path) -> tuple[Path, str]:
         print("$", " ".join(cmd), flush=True)
         if subprocess.run(cmd, cwd=Path(__file__).parent).returncode != 0:
             raise SystemExit("error: the SFT stage failed; see its output above")
-    digest = hashlib.sha256((sft_dir / "model.safetensors").read_bytes()).hexdigest()
+    with open(sft_dir / "model.safetensors", "rb") as f:  # streamed: the fp32 weights are ~540 MB
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
     (sft_dir / "model.sha256").write_text(digest + "\n")
     return sft_dir, digest
 
