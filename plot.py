@@ -99,8 +99,8 @@ def time_to(curve: list[tuple[float, float]], threshold: float) -> float | None:
 
 def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, threshold: float,
                    baseline: str = "vine") -> dict[str, dict]:
-    """Per estimator, over its seeds' metrics (runs: estimator -> seed -> records): final pass@1 (mean, SE), best,
-    mean pass@1 over the budget (area), minutes to reach `threshold` (mean over the seeds that did; how many did), KL
+    """Per estimator, over its seeds' metrics (runs: estimator -> seed -> records): final pass@1 (mean, SE), its change
+    from the run's own first evaluation (gain: final - start, mean, SE), best, mean pass@1 over the budget (area), minutes to reach `threshold` (mean over the seeds that did; how many did), KL
     to the reference at the end, seconds per iteration, seeds that collapsed (ended below half their starting pass@1),
     and the paired differences to `baseline` over the seeds both have: final and area minus the baseline's on the
     same seed (mean, SE), which cancels what a seed shares: its machine and its draw of prompts."""
@@ -110,12 +110,13 @@ def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, thr
         last = [[r for r in records if "kl_ref" in r][-1] for records in seeds.values()]
         reached = [t for t in (time_to(c, threshold) for c in curves.values()) if t is not None]
         final = mean_se([c[-1][1] for c in curves.values()])
+        gain = mean_se([c[-1][1] - c[0][1] for c in curves.values()])
         areas = mean_se([area(c, minutes=budget / 60) for c in curves.values()])
         paired = [seed for seed in curves if seed in base]
         final_diff = mean_se([curves[s][-1][1] - base[s][-1][1] for s in paired]) if paired else (None, None)
         area_diff = mean_se([area(curves[s], minutes=budget / 60) - area(base[s], minutes=budget / 60)
                              for s in paired]) if paired else (None, None)
-        out[name] = {"seeds": len(seeds), "final": final[0], "final_se": final[1],
+        out[name] = {"seeds": len(seeds), "final": final[0], "final_se": final[1], "gain": gain[0], "gain_se": gain[1],
                      "best": mean_se([max(a for _, a in c) for c in curves.values()])[0],
                      "area": areas[0], "area_se": areas[1],
                      "minutes_to_threshold": sum(reached) / len(reached) if reached else None, "reached": len(reached),
@@ -128,15 +129,16 @@ def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, thr
 
 
 def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: str = "vine") -> str:
-    lines = [f"| estimator | seeds | final pass@1 (mean ± SE) | best (mean) | mean pass@1 over time (± SE) | minutes to "
+    lines = [f"| estimator | seeds | final pass@1 (mean ± SE) | final − start (± SE) | best (mean) | mean pass@1 over time (± SE) | minutes to "
              f"{threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed | final − {baseline}, "
              f"same seeds (± SE) | mean over time − {baseline} (± SE) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in summary.items():
         reach = f"{s['minutes_to_threshold']:.1f} ({s['reached']}/{s['seeds']})" if s["reached"] else f"never (0/{s['seeds']})"
         vs = ["–", "–"] if name == baseline or not s["paired"] else [
             f"{s[k]:+.3f} ± {s[k + '_se']:.3f} ({s['paired']})" for k in ("final_vs_baseline", "area_vs_baseline")]
-        lines.append(f"| {name} | {s['seeds']} | {s['final']:.3f} ± {s['final_se']:.3f} | {s['best']:.3f} | "
+        lines.append(f"| {name} | {s['seeds']} | {s['final']:.3f} ± {s['final_se']:.3f} | "
+                     f"{s['gain']:+.3f} ± {s['gain_se']:.3f} | {s['best']:.3f} | "
                      f"{s['area']:.3f} ± {s['area_se']:.3f} | {reach} | {s['kl_ref']:.2e} | "
                      f"{s['seconds_per_iteration']:.0f} | {s['collapsed']} | {vs[0]} | {vs[1]} |")
     return "\n".join(lines)

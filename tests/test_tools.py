@@ -90,6 +90,8 @@ def test_grid_statistics_by_hand():
     summary = summarize_grid(runs, budget=600, threshold=0.35)
     vine, grpo = summary["vine"], summary["grpo"]
     assert (vine["seeds"], vine["final"], vine["final_se"]) == (2, pytest.approx(0.4), pytest.approx(0.1))
+    assert (vine["gain"], vine["gain_se"]) == (pytest.approx(0.2), pytest.approx(0.1))  # (0.5 - 0.2, 0.3 - 0.2)
+    assert grpo["gain"] == pytest.approx(-0.15) and grpo["gain_se"] == 0.0
     assert vine["best"] == pytest.approx(0.4) and (vine["minutes_to_threshold"], vine["reached"]) == (5.0, 1)
     assert vine["area"] == pytest.approx(((0.2 * 5 + 0.4 * 5) + (0.2 * 6 + 0.3 * 4)) / 20)
     assert vine["seconds_per_iteration"] == pytest.approx(300) and vine["collapsed"] == 0
@@ -98,7 +100,7 @@ def test_grid_statistics_by_hand():
     # paired with vine on the one seed both have (seed 1): final 0.05 - 0.3, area (0.2 * 5 + 0.05 * 5) / 10 - 0.24
     assert grpo["paired"] == 1 and grpo["final_vs_baseline"] == pytest.approx(-0.25)
     assert grpo["area_vs_baseline"] == pytest.approx(0.125 - 0.24) and vine["final_vs_baseline"] == 0.0
-    assert "| vine | 2 | 0.400 ± 0.100 |" in table and "never (0/1)" in table and "| -0.250 ± 0.000 (1) |" in table
+    assert "| vine | 2 | 0.400 ± 0.100 | +0.200 ± 0.100 |" in table and "never (0/1)" in table and "| -0.250 ± 0.000 (1) |" in table
 
 
 def test_bands_end_at_each_runs_final_evaluation():
