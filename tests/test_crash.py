@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import REPO
@@ -42,6 +43,7 @@ def committed(out) -> str:
     return (out / "latest").read_text()
 
 
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_kill_at_every_point_then_resume(tmp_path, smol_path):
     """SIGKILL mid-rollout, after the update, between the metrics line and the checkpoint, and mid-save; after each,
     --resume continues from the last committed checkpoint, losing only the iteration in progress."""
@@ -65,6 +67,7 @@ def test_kill_at_every_point_then_resume(tmp_path, smol_path):
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_sigterm_during_an_update_finishes_the_iteration_and_saves(tmp_path, smol_path):
     out = tmp_path / "run"
     proc = start(out, pause="ppo:2")
@@ -80,6 +83,7 @@ def test_sigterm_during_an_update_finishes_the_iteration_and_saves(tmp_path, smo
     assert iterations(out) == [0, 1, 2, 3] and committed(out) == "ckpt-000003"
 
 
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_resume_with_a_run_defining_flag_changed_stops_at_once(tmp_path, smol_path):
     out = tmp_path / "run"
     proc = start(out, "--iterations", "1")

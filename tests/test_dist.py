@@ -26,6 +26,7 @@ def run_worker(case: str, out: Path, *, ranks: int) -> dict:
 
 
 @pytest.mark.parametrize("case", ["ppo", "ppo-critic", "ppo-fsdp"])
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_two_ranks_with_half_the_episodes_each_take_the_one_rank_step(tmp_path, case):
     """Two PPO steps (SGD: the step is the gradient, scale included) on 2 ranks x 4 episodes leave the parameters
     where 1 rank x 8 episodes does. One rank's responses are 2-4 tokens, the other's 9-14: a loss normalised by each
@@ -51,6 +52,7 @@ def test_split_states_balances_cost_and_deals_each_state_once():
         assert max(loads) - min(loads) <= max(costs)
 
 
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_states_are_pooled_deduplicated_and_balanced_across_ranks(tmp_path):
     """estimate_values on 2 ranks estimates exactly the states 1 rank does, each once, with the expected vine tokens
     of the two ranks within one state's worth of each other, and every rank gets its responses' values back."""
@@ -93,6 +95,7 @@ def check_run(out: Path, iterations: int):
     assert len(state["torch_rng"]) == 2 and state["iteration"] == iterations
 
 
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_torchrun_rank_killed_mid_update_then_resume(tmp_path, smol_path):
     """torchrun --nproc_per_node=2 train.py (gloo, DDP) on real GSM8K rows with the real SmolLM2: rank 1 is killed
     with SIGKILL in iteration 2's update, which takes the job down; the same command with --resume continues from the
@@ -112,6 +115,7 @@ def test_torchrun_rank_killed_mid_update_then_resume(tmp_path, smol_path):
     check_run(out, 2)
 
 
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_torchrun_fsdp_trains_checkpoints_and_resumes(tmp_path, smol_path):
     """The same with --fsdp (FSDP2 on gloo): a checkpoint of full weights and the full AdamW state, which --resume
     shards again and continues from."""

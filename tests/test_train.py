@@ -54,6 +54,7 @@ def run_train(args, out_dir, **kwargs):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kwargs)
 
 
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_smoke_train_checkpoint_resume(tmp_path, smol_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -108,6 +109,7 @@ def test_a_failed_start_writes_nothing(tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists() and not out.parent.exists()
 
 
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_ctrl_c_saves_a_checkpoint(tmp_path, smol_path):
     out = tmp_path / "OUT"
     proc = run_train(["--iterations", "5", "--eval-every", "5"], out)
@@ -121,6 +123,7 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path, smol_path):
 
 
 @pytest.mark.parametrize("estimator", ["critic", "grpo"])
+@pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_baseline_estimators_run_in_the_same_loop(tmp_path, smol_path, estimator):
     """One iteration on arith with the critic and with GRPO; the critic's value head is checkpointed and resumed."""
     out = tmp_path / estimator
