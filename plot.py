@@ -100,9 +100,9 @@ def time_to(curve: list[tuple[float, float]], threshold: float) -> float | None:
 def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, threshold: float,
                    baseline: str = "vine") -> dict[str, dict]:
     """Per estimator, over its seeds' metrics (runs: estimator -> seed -> records): final pass@1 (mean, SE), its change
-    from the run's own first evaluation (gain: final - start, mean, SE), best, mean pass@1 over the budget (area), minutes to reach `threshold` (mean over the seeds that did; how many did), KL
-    to the reference at the end, seconds per iteration, seeds that collapsed (ended below half their starting pass@1),
-    and the paired differences to `baseline` over the seeds both have: final and area minus the baseline's on the
+    from the run's own first evaluation (gain: final - start, mean, SE), best, mean pass@1 over the budget (area),
+    minutes to reach `threshold` (mean over the seeds that did; how many did), KL to the reference at the end, seconds
+    per iteration, seeds that collapsed (ended below half their starting pass@1), and the paired differences to `baseline` over the seeds both have: final and area minus the baseline's on the
     same seed (mean, SE), which cancels what a seed shares: its machine and its draw of prompts."""
     out, base = {}, {seed: eval_curve(records) for seed, records in runs.get(baseline, {}).items()}
     for name, seeds in runs.items():
@@ -129,8 +129,8 @@ def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, thr
 
 
 def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: str = "vine") -> str:
-    lines = [f"| estimator | seeds | final pass@1 (mean ± SE) | final − start (± SE) | best (mean) | mean pass@1 over time (± SE) | minutes to "
-             f"{threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed | final − {baseline}, "
+    lines = [f"| estimator | seeds | final pass@1 (mean ± SE) | final − start (± SE) | best (mean) | mean pass@1 over "
+             f"time (± SE) | minutes to {threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed | final − {baseline}, "
              f"same seeds (± SE) | mean over time − {baseline} (± SE) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in summary.items():
