@@ -124,6 +124,19 @@ def test_bands_on_iterations_and_the_reward_view(tmp_path):
     assert plot_bands(runs, str(tmp_path / "c.png"), budget=600) and (tmp_path / "c.png").stat().st_size > 0
 
 
+def test_replicate_summarize_one_run_by_hand():
+    from replicate import summarize
+    records = [{"iteration": 0, "eval_accuracy": 0.5, "eval_se": 0.02, "seconds_eval": 30.0},
+               {"iteration": 1, "train_seconds": 40.0, "seconds": 40.0, "reward_mean": 0.2},
+               {"iteration": 2, "train_seconds": 80.0, "seconds": 70.0, "reward_mean": 0.6, "eval_accuracy": 0.4,
+                "eval_se": 0.03, "seconds_eval": 30.0}]
+    row = summarize(records, "vine", 3)
+    assert row["wall_minutes"] == pytest.approx((30 + 40 + 70) / 60)  # the start evaluation has no "seconds"
+    assert row["train_minutes"] == pytest.approx(80 / 60) and row["seconds_per_iteration"] == pytest.approx(40)
+    assert (row["start_pass1"], row["final_pass1"], row["best_pass1"], row["eval_se"]) == (0.5, 0.4, 0.5, 0.03)
+    assert row["final_train_reward"] == pytest.approx(0.4) and row["iterations"] == 2
+
+
 def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
     from replicate import run_state
     run_dir = tmp_path / "vine-s0"
