@@ -1,0 +1,20 @@
+"""bench.py's real-vines section (bench_vines.py) on a tiny random-weight model: it runs end to end on GSM8K train
+rows, and the static and continuous loops give the same fp32 values and vine tokens (the identity its line reports)."""
+from types import SimpleNamespace
+
+import torch
+
+
+def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys):
+    from bench_vines import real_vines
+    from model import load_tokenizer
+    from shapes import random_model
+    tokenizer = load_tokenizer(smol_path)
+    model = random_model("tiny", tokenizer=tokenizer, device=torch.device("cpu"))
+    args = SimpleNamespace(gen_batch_size=16, data_dir=None, vine_prompts=1, vine_samples=2, vine_max_new_tokens=24)
+    ratios = real_vines(model, tokenizer, args)
+    assert set(ratios) == {"continuous_vs_static", "adaptive_vs_fixed_seconds"}
+    assert all(v > 0 for v in ratios.values())
+    out = capsys.readouterr().out
+    assert "fp32 values and vine tokens identical: True" in out
+    assert out.count("real vines, ") == 7  # the seven timed runs, each with its states, vines and tokens
