@@ -72,15 +72,18 @@ def prepare_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> Path | N
     return source
 
 
-def load_trainer_state(source: Path) -> dict:
-    """trainer_state.pt of a checkpoint, without running code (weights_only)."""
-    path = source / "trainer_state.pt"
+def load_tensors(path: Path, what: str):
+    """A .pt file this program wrote (`what` it should be, for the error), without running code (weights_only)."""
     try:
         return torch.load(path, weights_only=True)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SystemExit(f"error: {path}: not a trainer state this program wrote; refusing to load it "
-                         f"({first[:160]})") from None
+        raise SystemExit(f"error: {path}: not {what} this program wrote; refusing to load it ({first[:160]})") from None
+
+
+def load_trainer_state(source: Path) -> dict:
+    """trainer_state.pt of a checkpoint, without running code."""
+    return load_tensors(source / "trainer_state.pt", "a trainer state")
 
 
 def restore(state: dict, *, scorer, optimizer, scheduler, rng, lrs: list[float]) -> tuple[int, float]:
@@ -101,7 +104,7 @@ def restore(state: dict, *, scorer, optimizer, scheduler, rng, lrs: list[float])
 def load_value_head(source: Path | None, value_head):
     """The critic's value head from a checkpoint (before dist.wrap shards it)."""
     if source is not None and value_head is not None:
-        value_head.load_state_dict(torch.load(source / "value_head.pt", weights_only=True))
+        value_head.load_state_dict(load_tensors(source / "value_head.pt", "a value head"))
 
 
 def repair_metrics(path: Path, *, upto: int):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint import load_value_head
 from data import encode_prompt, load_split
 from model import load_model, load_tokenizer, new_value_head, pick_dtype
 from hf_sampler import HFSampler
@@ -166,7 +167,7 @@ def main():
     head_path = Path(args.checkpoint) / "value_head.pt"
     if head_path.exists():
         head = new_value_head(model)
-        head.load_state_dict(torch.load(head_path))
+        load_value_head(Path(args.checkpoint), head)  # without running code, as train.py's resume
         estimates["critic"] = critic_values(model, head, states)
     summary = {name: {"mae": sum(abs(e - t) for e, t in zip(est, truth)) / len(truth),
                       "ranking_accuracy": ranking_accuracy(est, truth)} for name, est in estimates.items()}

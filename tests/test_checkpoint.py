@@ -82,6 +82,21 @@ def test_resume_refuses_a_crafted_pickle_without_running_it(tmp_path, monkeypatc
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_crafted_value_head_is_refused_without_running_it(tmp_path, monkeypatch):
+    from checkpoint import load_value_head
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "value_head.pt").write_bytes(pickle.dumps({"weight": RunsCode()}))
+    with pytest.raises(SystemExit) as e:
+        load_value_head(tmp_path, torch.nn.Linear(4, 1))
+    assert "value_head.pt: not a value head this program wrote; refusing" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "pwned").exists()
+    head = torch.nn.Linear(4, 1)
+    torch.save(head.state_dict(), tmp_path / "value_head.pt")
+    other = torch.nn.Linear(4, 1)
+    load_value_head(tmp_path, other)  # a real one loads
+    assert torch.equal(other.weight, head.weight)
+
+
 @pytest.mark.parametrize("pointer", ["../elsewhere/ckpt-000001", "/tmp/ckpt-000001", "ckpt-1", "ckpt-000002"])
 def test_latest_must_name_a_checkpoint_folder_inside_the_out_dir(tmp_path, pointer):
     save(tmp_path, 1)
