@@ -18,3 +18,13 @@ def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys):
     out = capsys.readouterr().out
     assert "fp32 values and vine tokens identical: True" in out
     assert out.count("real vines, ") == 7  # the seven timed runs, each with its states, vines and tokens
+
+
+def test_subnormal_counts_by_hand():
+    from bench_denormals import subnormal_counts
+    tiny = torch.finfo(torch.float32).tiny
+    state = {"state": {0: {"exp_avg": torch.tensor([1.0, 0.0]), "exp_avg_sq": torch.tensor([tiny / 4, tiny, 0.0])},
+                       1: {"exp_avg": torch.tensor([-tiny / 2]), "exp_avg_sq": torch.tensor([1e-45, 2.0])}}}
+    counts = subnormal_counts(state, ["a", "b"])
+    assert counts["exp_avg_sq"] == (5, 2, {"a": 1, "b": 1})  # tiny itself is normal, 0 is not subnormal
+    assert counts["exp_avg"] == (3, 1, {"b": 1})  # a negative subnormal counts
