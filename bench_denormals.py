@@ -15,11 +15,11 @@ flush-to-zero off and on in alternation (A B A B, the same state restored before
 Last line: subnormal_frac=<of exp_avg_sq> step_off_vs_on=<seconds off / on> backward_off_vs_on=<the same>.
 """
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
+from bench import best_time
 from checkpoint import load_trainer_state
 from data import encode_prompt, load_split
 from model import Scorer, load_model, load_tokenizer, pick_dtype
@@ -41,12 +41,6 @@ def subnormal_counts(state: dict, names: list[str]) -> dict:
                 where[names[i]] = n
         out[moment] = (total, count, where)
     return out
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def nll_backward(scorer, input_ids, attention_mask, response_mask, P: int):
@@ -89,12 +83,12 @@ def main():
         for flush in (False, True):
             torch.set_flush_denormal(flush)
             optimizer.load_state_dict(state)  # the saved moments, before every timed step
-            for p, s in zip(params, optimizer.state.values()):
-                p.grad = s["exp_avg"].clone()
-            seconds["step", flush].append(timed(optimizer.step))
+            for p in params:
+                p.grad = optimizer.state[p]["exp_avg"].clone()
+            seconds["step", flush].append(best_time(optimizer.step, repeats=1))
             optimizer.zero_grad(set_to_none=True)
-            seconds["backward", flush].append(timed(lambda: nll_backward(scorer, input_ids, attention_mask,
-                                                                                      response_mask, P)))
+            backward = lambda: nll_backward(scorer, input_ids, attention_mask, response_mask, P)
+            seconds["backward", flush].append(best_time(backward, repeats=1))
             optimizer.zero_grad(set_to_none=True)
     torch.set_flush_denormal(False)
     best = {k: min(v) for k, v in seconds.items()}
