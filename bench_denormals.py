@@ -7,7 +7,7 @@ flush-to-zero is on (torch.set_flush_denormal(True), off by default); GPUs take 
 moment holds the squares of gradients, and the gradient of a token the model all but rules out is tiny, so a run's
 exp_avg_sq collects subnormals as it trains. This loads a checkpoint (its fp32 weights, its AdamW state with
 weights_only), counts the subnormals in exp_avg / exp_avg_sq (and in which parameters most are), then times, with
-flush-to-zero off and on in alternation (A B A B, the same state restored before each):
+flush-to-zero off and on in alternation (A B A B, the same state restored before each; one untimed pair first):
   step      one optimizer.step() from the saved state, the gradient set to the saved exp_avg (a real gradient's size
             and pattern);
   backward  forward + backward of the response tokens' log-likelihood of --batch arith problems with their worked
@@ -55,6 +55,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="timed pairs (off, on) of each kind")
     parser.add_argument("--batch", type=int, default=8, help="episodes in the timed forward + backward")
     args = parser.parse_args()
+    if args.repeats < 1 or args.batch < 1:
+        parser.error(f"--repeats and --batch must be at least 1 (got {args.repeats}, {args.batch})")
     source = Path(args.checkpoint)
     if not (source / "trainer_state.pt").exists():
         raise SystemExit(f"error: --checkpoint {source}: no trainer_state.pt there (not a train.py checkpoint)")
@@ -79,17 +81,19 @@ def main():
     scorer = Scorer(policy, dtype=pick_dtype("auto", device))
 
     seconds = {(kind, flush): [] for kind in ("step", "backward") for flush in (False, True)}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats + 1):  # the first pass only warms up (allocator, kernels): not timed
         for flush in (False, True):
             torch.set_flush_denormal(flush)
             optimizer.load_state_dict(state)  # the saved moments, before every timed step
             for p in params:
                 p.grad = optimizer.state[p]["exp_avg"].clone()
-            seconds["step", flush].append(best_time(optimizer.step, repeats=1))
+            step = best_time(optimizer.step, repeats=1)
             optimizer.zero_grad(set_to_none=True)
-            backward = lambda: nll_backward(scorer, input_ids, attention_mask, response_mask, P)
-            seconds["backward", flush].append(best_time(backward, repeats=1))
+            backward = best_time(lambda: nll_backward(scorer, input_ids, attention_mask, response_mask, P), repeats=1)
             optimizer.zero_grad(set_to_none=True)
+            if repeat:
+                seconds["step", flush].append(step)
+                seconds["backward", flush].append(backward)
     torch.set_flush_denormal(False)
     best = {k: min(v) for k, v in seconds.items()}
     for kind in ("step", "backward"):
