@@ -11,7 +11,8 @@ then linear decay (train.lr_factor); pass@1 on the test split before and after (
     OUT/metrics.jsonl                                     one line per optimizer step ("iteration": the step)
     OUT/ckpt-NNNNNN/, OUT/latest                          the last checkpoint, for --resume (checkpoint.py)
 
-Single process only (no torchrun yet). Shapes: B = instances in a micro-batch, P = prompt length (left-padded),
+Under torchrun (`torchrun --nproc_per_node=N sft.py ...`, dist.py) each rank takes batch_size / N instances of every
+step, DDP or --fsdp (FSDP2), and rank 0 writes the files; the step is the one a single process takes. Shapes: B = instances in a micro-batch, P = prompt length (left-padded),
 R = target length (right-padded), T = P + R.
 """
 import math
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+import dist
 from checkpoint import GracefulStop, load_trainer_state, prepare_out_dir, repair_metrics, restore, save_checkpoint
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
 from data import dataset_problem, encode_prompt, load_split, task_of
@@ -74,6 +76,7 @@ class SFTConfig:
     overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run")
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
     data_dir: str | None = arg(None, "gsm8k, math: as train.py's --data-dir")
+    fsdp: bool = arg(False, "under torchrun: shard weights, gradients and AdamW's state with FSDP2 (off: DDP)")
     task: str | None = arg(None, "", derived=True)  # derived from --dataset (train.py's cfg.task)
 
 
@@ -104,11 +107,10 @@ def parse_sft_config(argv=None) -> SFTConfig:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
     if cfg.max_steps < 0:
         parser.error(f"--max-steps must be 0 (epochs) or above (got {cfg.max_steps})")
-    if cfg.batch_size % cfg.micro_batch_size:
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # ranks under torchrun; --batch-size is global
+    if cfg.batch_size % (world * cfg.micro_batch_size):
         parser.error(f"--batch-size ({cfg.batch_size}) must be a multiple of --micro-batch-size "
-                     f"({cfg.micro_batch_size})")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        parser.error("sft.py runs in one process (torchrun is not supported yet)")
+                     f"({cfg.micro_batch_size}) x the number of ranks ({world})")
     if not cfg.lr > 0:
         parser.error(f"--lr must be above 0 (got {cfg.lr})")
     if not 0 <= cfg.warmup_ratio < 1:
@@ -171,26 +173,30 @@ def step_examples(step: int, *, n: int, batch_size: int, seed: int) -> list[int]
     return order[k * batch_size:(k + 1) * batch_size]
 
 
-def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, micro_batch_size: int, pad_id: int,
-             max_grad_norm: float) -> dict:
-    """One optimizer step on `pairs`: micro-batches' losses weighted by their share of the batch, so that the
-    accumulated gradient is that of the batch's mean loss. Returns the loss, grad norm, target tokens and all tokens
-    (prompt + target, padding not counted)."""
+def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, batch_size: int, micro_batch_size: int,
+             pad_id: int, max_grad_norm: float) -> dict:
+    """One optimizer step on `pairs`, this rank's share of a batch of batch_size instances (all of it in one
+    process): micro-batches' losses weighted by their share of the batch, so that the accumulated gradient is that of
+    the batch's mean loss (under torchrun summed over ranks: DDP averages, so each loss is scaled by the world size;
+    the gradients are reduced once, on the last micro-batch). Returns the loss, grad norm, target tokens and all tokens
+    (prompt + target, padding not counted), over all ranks."""
     device = next(scorer.parameters()).device
     optimizer.zero_grad(set_to_none=True)
     total, tokens, seen = 0.0, 0, 0
     for a in range(0, len(pairs), micro_batch_size):
         part = pairs[a:a + micro_batch_size]
         input_ids, attention_mask, mask, P = pad_episodes([p for p, _ in part], [t for _, t in part], pad_id=pad_id)
-        logprobs, _, _, _ = scorer(input_ids.to(device), attention_mask.to(device), response_start=P,
-                                temperature=1.0)  # (B, R)
-        loss = sft_loss(logprobs=logprobs, mask=mask.to(device)) * (len(part) / len(pairs))
-        loss.backward()
+        with dist.sync_gradients(scorer, a + micro_batch_size >= len(pairs)):
+            logprobs, _, _, _ = scorer(input_ids.to(device), attention_mask.to(device), response_start=P,
+                                    temperature=1.0)  # (B, R)
+            loss = sft_loss(logprobs=logprobs, mask=mask.to(device)) * (len(part) / batch_size)
+            (loss * dist.world()).backward()
         total, tokens, seen = total + loss.item(), tokens + int(mask.sum()), seen + int(attention_mask.sum())
+    total, tokens, seen = dist.all_sum(torch.tensor([total, tokens, seen])).tolist()  # over all ranks
     grad_norm = torch.nn.utils.clip_grad_norm_(scorer.parameters(), max_grad_norm).item()
     optimizer.step()
     scheduler.step()
-    return {"loss": total, "grad_norm": grad_norm, "tokens": tokens, "tokens_all": seen}
+    return {"loss": total, "grad_norm": grad_norm, "tokens": int(tokens), "tokens_all": int(seen)}
 
 
 def first_wrong_line(response: str, solution: str) -> int:
@@ -221,25 +227,34 @@ def wrong_line_counts(graded: list[tuple[dict, object, float]]) -> dict[str, int
 
 def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
     """The fine-tuned model as an HF folder in out_dir: written into a temp folder, then each file moved in, the
-    config.json (what makes it a model folder) last."""
+    config.json (what makes it a model folder) last. Under torchrun all ranks call it (FSDP2 shards are gathered) and
+    rank 0 writes."""
+    state = dist.full_state_dict(policy) if dist.is_sharded(policy) else None  # None: save_pretrained takes its own
+    if dist.rank() > 0:
+        return dist.barrier()
     tmp = out_dir / f".tmp-final-{os.getpid()}"
-    policy.save_pretrained(tmp)
+    policy.save_pretrained(tmp, state_dict=state)
     tokenizer.save_pretrained(tmp)
     for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
         os.replace(path, out_dir / path.name)
     tmp.rmdir()
+    dist.barrier()
     print(f"saved the fine-tuned model in {out_dir} (python train.py --model {out_dir} "
           f"--prompt-format {prompt_format})", flush=True)
 
 
 def main(cfg: SFTConfig):
     device = pick_device(cfg.device)
+    rank, world = dist.init(device)  # (0, 1) without torchrun
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    source = prepare_out_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-    if source is None:  # a fresh run: an old final model there is not this run's (save_final writes it anew)
-        (out_dir / "config.json").unlink(missing_ok=True)
+    source = None
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        source = prepare_out_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+        if source is None:  # a fresh run: an old final model there is not this run's (save_final writes it anew)
+            (out_dir / "config.json").unlink(missing_ok=True)
+    source = dist.broadcast(source)  # the checkpoint to resume, if any: rank 0 alone tidies the folder
     state = load_trainer_state(source) if source else None
     if state:
         defining = [f"--{k.replace('_', '-')} {state['config'].get(k)} -> {getattr(cfg, k)}" for k in SFT_DEFINING
@@ -258,13 +273,13 @@ def main(cfg: SFTConfig):
                          f"--batch-size {cfg.batch_size}")
     per_epoch = len(pairs) // cfg.batch_size
     total = cfg.max_steps or cfg.epochs * per_epoch
-    print(f"{len(pairs)} train examples ({len(train_set) - len(pairs)} without a solution skipped, {cut} cut to "
-          f"--max-length {cfg.max_length}), {per_epoch} steps per epoch of {cfg.batch_size}; {total} steps", flush=True)
+    dist.print0(f"{len(pairs)} train examples ({len(train_set) - len(pairs)} without a solution skipped, {cut} cut to "
+          f"--max-length {cfg.max_length}), {per_epoch} steps per epoch of {cfg.batch_size}; {total} steps")
     policy = load_model(str(source or cfg.model), device=device, dtype=torch.float32,
                         trust_remote_code=cfg.trust_remote_code)
     stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
     sampler = HFSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings, batch_size=cfg.gen_batch_size)
-    scorer = Scorer(policy, dtype=dtype)
+    scorer = dist.wrap(Scorer(policy, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun; before AdamW
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, partial(lr_factor, warmup=math.ceil(cfg.warmup_ratio * total), total=total))
@@ -272,27 +287,31 @@ def main(cfg: SFTConfig):
     if state:
         start, train_seconds = restore(state, scorer=scorer, optimizer=optimizer, scheduler=scheduler, rng=rng,
                                        lrs=[cfg.lr])
-        repair_metrics(out_dir / "metrics.jsonl", upto=start)
-        print(f"resumed from {source} at step {start}", flush=True)
+        if rank == 0:
+            repair_metrics(out_dir / "metrics.jsonl", upto=start)
+        dist.print0(f"resumed from {source} at step {start}")
     runlog = RunLog(out_dir, cfg, total=total, first=start, unit="step")  # metrics.jsonl
     checkpoint = partial(save_checkpoint, out_dir, scorer=scorer, policy=policy, value_head=None, tokenizer=tokenizer,
                          optimizer=optimizer, scheduler=scheduler, cfg=cfg)
     stop, completed = GracefulStop(), start
+    if dist.active():
+        stop.hold()  # under torchrun a signal is acted on at a step's end, by all ranks together
     try:
         if start == 0:
             t0 = time.perf_counter()
             accuracy, se = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
             runlog.write({"iteration": 0, "eval_accuracy": accuracy, "eval_se": se,
                           "seconds_eval": time.perf_counter() - t0})
-            print(f"step 0: eval pass@1 {accuracy:.3f} ± {se:.3f} on {len(test_set)} problems x "
-                  f"{cfg.eval_samples} ({time.perf_counter() - t0:.0f}s)", flush=True)
+            dist.print0(f"step 0: eval pass@1 {accuracy:.3f} ± {se:.3f} on {len(test_set)} problems x "
+                        f"{cfg.eval_samples} ({time.perf_counter() - t0:.0f}s)")
         runlog.start_clock()
         for step in range(start, total):
             stop.hold()  # a signal now lets this step finish, then saves and stops
             t0, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
             batch = [pairs[i] for i in step_examples(step, n=len(pairs), batch_size=cfg.batch_size, seed=cfg.seed)]
-            stats = sft_step(scorer, optimizer, scheduler, batch, micro_batch_size=cfg.micro_batch_size,
-                             pad_id=tokenizer.pad_token_id, max_grad_norm=cfg.max_grad_norm)
+            stats = sft_step(scorer, optimizer, scheduler, batch[rank::world], batch_size=cfg.batch_size,
+                             micro_batch_size=cfg.micro_batch_size, pad_id=tokenizer.pad_token_id,
+                             max_grad_norm=cfg.max_grad_norm)  # this rank's share of the step's batch
             seconds = time.perf_counter() - t0
             completed, train_seconds = step + 1, train_seconds + seconds
             record = {"iteration": completed, "epoch": step / per_epoch, "lr": lr, **stats, "seconds": seconds,
@@ -306,20 +325,21 @@ def main(cfg: SFTConfig):
                                                                       keep=graded)
                 record["seconds_eval"] = time.perf_counter() - t1
                 if cfg.task == "arith":  # one operation per line: where the wrong samples first leave the gold
-                    record["first_wrong_line"] = wrong_line_counts(graded)
-                    print(f"first wrong line of the wrong samples (line: count): {record['first_wrong_line']}",
-                          flush=True)
+                    record["first_wrong_line"] = wrong_line_counts([t for part in dist.all_gather(graded) for t in part])
+                    dist.print0(f"first wrong line of the wrong samples (line: count): {record['first_wrong_line']}")
             runlog.write(record)
-            if due(completed, every=cfg.save_every, last=total, now=stop.requested is not None):
+            stopping = dist.all_sum(torch.tensor([float(stop.requested is not None)]))[0] > 0  # any rank signalled
+            if due(completed, every=cfg.save_every, last=total, now=stopping):
                 checkpoint(iteration=completed, python_rng=rng.getstate(), torch_rng=torch.get_rng_state(),
                            train_seconds=train_seconds)
-            stop.release()
+            if not dist.active():
+                stop.release()
             evaluated = f", eval pass@1 {record['eval_accuracy']:.3f} ± {record['eval_se']:.3f}" if (
                 "eval_accuracy" in record) else ""
             runlog.line(completed, f"loss {stats['loss']:.4f}, lr {lr:.2e}, grad norm {stats['grad_norm']:.2f}, "
                                    f"{record['tokens_per_s']:.0f} tok/s ({record['target_tokens_per_s']:.0f} target "
                                    f"tok/s){evaluated}")
-            if stop.requested is not None:
+            if stopping:
                 sys.exit(stop.exit_code())
     except KeyboardInterrupt:  # a second signal during a step saves nothing (its weights are half-updated)
         stop_after_interrupt(stop, completed=completed, unit="step", save=partial(
@@ -328,6 +348,7 @@ def main(cfg: SFTConfig):
     finally:
         runlog.close()
     save_final(out_dir, policy=policy, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+    dist.finish()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 share; rank 0 writes what the test compares (OUT, a torch file).
 
 Cases: ppo, ppo-critic, ppo-fsdp (one PPO iteration of a tiny random Llama, 8 episodes whose response lengths differ
-a lot between the first and the second half), split (estimate_values with a fake sampler that records the states it
+a lot between the first and the second half), sft, sft-fsdp (one sft.py step of it on 8 such instances), split (estimate_values with a fake sampler that records the states it
 is asked to continue).
 """
 import sys
@@ -16,6 +16,7 @@ import dist  # noqa: E402
 from model import Scorer, new_value_head  # noqa: E402
 from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update  # noqa: E402
 from rollout import Sample  # noqa: E402
+from sft import sft_step  # noqa: E402
 from values import estimate_values  # noqa: E402
 
 
@@ -74,6 +75,24 @@ def ppo_case(case: str) -> dict:
     return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "start": start, "stats": stats}
 
 
+def sft_case(case: str) -> dict:
+    """One sft_step (SGD) on a batch of 8: rank r takes instances r, r + world, ... (as sft.py deals them), so with
+    2 ranks one rank holds the short targets and the other the long ones."""
+    rank, world = dist.rank(), dist.world()
+    prompts, responses, _, _ = episodes()
+    order = [0, 4, 1, 5, 2, 6, 3, 7]  # short and long alternate: rank 0 gets 0-3 (short), rank 1 gets 4-7 (long)
+    pairs = [(prompts[i], responses[i]) for i in order][rank::world]
+    policy = tiny_policy()
+    start = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    scorer = dist.wrap(Scorer(policy), fsdp=case == "sft-fsdp")
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)  # SGD: a step is the gradient itself, scale and all
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    stats = sft_step(scorer, optimizer, scheduler, pairs, batch_size=8, micro_batch_size=2, pad_id=0,
+                     max_grad_norm=1e9)
+    weights = dist.full_state_dict(policy)
+    return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "start": start, "stats": stats}
+
+
 class FakeTokenizer:
     def batch_decode(self, rows, skip_special_tokens=True):
         return ["" for _ in rows]
@@ -123,7 +142,7 @@ if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
     dist.init(torch.device("cpu"))
     torch.set_num_threads(1)
-    result = split_case() if case == "split" else ppo_case(case)
+    result = split_case() if case == "split" else sft_case(case) if case.startswith("sft") else ppo_case(case)
     if dist.rank() == 0:
         torch.save(result, out)
     dist.finish()

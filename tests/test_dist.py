@@ -43,6 +43,23 @@ def test_two_ranks_with_half_the_episodes_each_take_the_one_rank_step(tmp_path, 
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.parametrize("case", ["sft", "sft-fsdp"])
+@pytest.mark.slow  # end to end: torchrun processes
+def test_two_ranks_with_half_the_batch_each_take_the_one_rank_sft_step(tmp_path, case):
+    """One sft.py step (SGD, no clipping) on 2 ranks x 4 instances leaves the parameters where 1 rank x 8 does, and
+    logs the same loss and token counts. One rank's targets are 2-4 tokens, the other's 9-14: gradients averaged
+    without the world-size factor, or a loss normalised by each rank's own batch, would move them elsewhere."""
+    one = run_worker(case, tmp_path / "one.pt", ranks=1)
+    two = run_worker(case, tmp_path / "two.pt", ranks=2)
+    moved = max((one["weights"][k] - one["start"][k]).abs().max().item() for k in one["start"])
+    assert moved > 1e-3  # the step is real
+    for name, w in one["weights"].items():
+        assert torch.allclose(w, two["weights"][name], atol=3e-6, rtol=0), (name, (w - two["weights"][name]).abs().max())
+    assert (two["stats"]["tokens"], two["stats"]["tokens_all"]) == (one["stats"]["tokens"], one["stats"]["tokens_all"])
+    for key in ("loss", "grad_norm"):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
+
+
 def test_split_states_balances_cost_and_deals_each_state_once():
     costs = [50, 7, 7, 30, 1, 22, 22, 9, 64, 3, 18]
     for parts in (1, 2, 3, 5):
@@ -126,3 +143,32 @@ def test_torchrun_fsdp_trains_checkpoints_and_resumes(tmp_path, smol_path):
         assert proc.returncode == 0, log[-4000:]
     assert "resumed from" in log
     check_run(out, 2)
+
+
+@pytest.mark.slow  # end to end: real sft.py / torchrun processes
+def test_torchrun_fsdp_sft_trains_checkpoints_resumes_and_saves_the_model(tmp_path, smol_path):
+    """torchrun --nproc_per_node=2 sft.py --fsdp on real arith rows with the real SmolLM2: one step, then --resume to
+    two; each step logged once, a checkpoint with both ranks' RNG, and a final HF folder of the gathered (trained)
+    weights."""
+    import json
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "SFT"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    for args in (["--max-steps", "1"], ["--max-steps", "2", "--resume"]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "sft.py",
+               "--fsdp", "--dataset", "arith", "--batch-size", "4", "--micro-batch-size", "1", "--eval-size", "2",
+               "--eval-samples", "1", "--max-new-tokens", "16", "--lr", "5e-5", "--save-every", "1",
+               "--out-dir", str(out), *args]
+        run = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "resumed from" in run.stdout and "torchrun: 2 ranks, gloo" in run.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[2]
+    assert all(r["loss"] > 0 and r["tokens"] > 0 for r in records[1:])
+    wrong = round(2 * (1 - records[2]["eval_accuracy"]))  # 2 problems x 1 sample, one problem on each rank
+    assert sum(records[2]["first_wrong_line"].values()) == wrong  # both ranks' wrong samples, each counted once
+    state = torch.load(out / "ckpt-000002" / "trainer_state.pt", weights_only=True)
+    assert len(state["torch_rng"]) == 2 and state["iteration"] == 2
+    model, base = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(smol_path)
+    assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # trained, and gathered whole
+    assert model.lm_head.weight.shape == base.lm_head.weight.shape

@@ -78,13 +78,18 @@ def test_first_wrong_line_is_where_a_response_leaves_the_gold_solution():
     assert wrong_line_counts(graded) == {"1": 1, "2": 2, "after": 1}
 
 
-def test_bad_flags_are_one_line(capsys):
+def test_bad_flags_are_one_line(capsys, monkeypatch):
     for argv, says in ((["--batch-size", "6", "--micro-batch-size", "4"], "multiple of --micro-batch-size"),
                        (["--lr", "0"], "--lr must be above 0"), (["--dataset", "nope"], "--dataset nope"),
                        (["--resume", "--overwrite"], "contradict")):
         with pytest.raises(SystemExit):
             parse_sft_config(argv + ["--device", "cpu"])
         assert says in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun --batch-size is global: each rank needs whole micro-batches
+    with pytest.raises(SystemExit):
+        parse_sft_config(["--batch-size", "4", "--micro-batch-size", "4", "--device", "cpu"])
+    assert "x the number of ranks (2)" in capsys.readouterr().err
+    parse_sft_config(["--batch-size", "8", "--micro-batch-size", "4", "--device", "cpu"])
 
 
 def test_defaults_on_cpu():
