@@ -5,7 +5,8 @@ predictions, to the true value of a state under the same policy?
 
 1. From test problems, sample a response with the checkpoint's policy, cut it at a step boundary (the parent state)
    and sample two continuations from there; the state after each one's first step is a *sibling*: two candidate
-   next steps from the same parent.
+   next steps from the same parent. --screen N keeps only pairs with a state of intermediate value (its N
+   screening continuations disagree), for a confident policy whose states are mostly worth 0 or 1.
 2. Ground truth: V = mean reward of --ground-truth (256) continuations from each state.
 3. Estimates: VinePPO with K in --ks (1, 3, 9), from fresh continuations; and, when the checkpoint has a value head
    (a `--estimator critic` run), the critic's prediction.
@@ -29,28 +30,47 @@ from values import mc_rollouts, round_sizes, split_steps, step_token_starts
 
 
 def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, max_new_tokens: int,
-                   temperature: float, top_p: float, seed: int) -> list[dict]:
-    """Pairs of sibling states [{"prompt", "prefix", "answer", "pair"}], two per pair, from sampled responses."""
+                   temperature: float, top_p: float, seed: int, screen: int = 0, chunk: int = 16) -> list[dict]:
+    """Pairs of sibling states [{"prompt", "prefix", "answer", "pair"}], two per pair, from sampled responses, drawn
+    `chunk` test problems at a time (one sampler call for their responses, one for the two continuations of each
+    parent). With screen > 0, a pair is kept only if, of `screen` more continuations of each of its states, one
+    state's are neither all right nor all wrong: it has an intermediate value. The screen's samples are not used
+    again (the true values and the estimates come from fresh ones)."""
     rng, states = random.Random(seed), []
-    for number, example in enumerate(examples):
+    for c0 in range(0, len(examples), chunk):
         if len(states) >= 2 * pairs:
             break
-        prompt = encode_prompt(example["question"], dataset=dataset, tokenizer=tokenizer)
-        response = sampler.sample([prompt], n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                  seed=seed + number)[0][0]
-        starts = step_token_starts(response.token_ids, response.text, tokenizer=tokenizer, dataset=dataset)
-        if len(starts) < 2:
-            continue
-        parent = response.token_ids[:rng.choice(starts[:-1])]
-        continuations = sampler.sample_prefixes([prompt + parent], [len(prompt) + len(parent)], n=2,
-                                                temperature=temperature, top_p=top_p,
-                                                max_new_tokens=max_new_tokens - len(parent), seed=seed + 10_000 + number)[0]
-        firsts = []
-        for c in continuations:
-            c_starts = step_token_starts(c.token_ids, c.text, tokenizer=tokenizer, dataset=dataset)
-            if len(c_starts) >= 2 and len(split_steps(c.text, dataset=dataset)) >= 2:
-                firsts.append(c.token_ids[:c_starts[1]])
-        if len(firsts) == 2 and firsts[0] != firsts[1]:
+        part = examples[c0:c0 + chunk]
+        prompts = [encode_prompt(e["question"], dataset=dataset, tokenizer=tokenizer) for e in part]
+        responses = sampler.sample(prompts, n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                   seed=seed + c0)
+        parents = []  # (example, prompt, parent tokens): each response cut at one of its step boundaries
+        for example, prompt, [response] in zip(part, prompts, responses):
+            starts = step_token_starts(response.token_ids, response.text, tokenizer=tokenizer, dataset=dataset)
+            if len(starts) >= 2:
+                parents.append((example, prompt, response.token_ids[:rng.choice(starts[:-1])]))
+        continuations = sampler.sample_prefixes(
+            [prompt + parent for _, prompt, parent in parents], [len(q) + len(p) for _, q, p in parents], n=2,
+            temperature=temperature, top_p=top_p, max_new_tokens=[max_new_tokens - len(p) for _, _, p in parents],
+            seed=seed + 10_000 + c0) if parents else []
+        found = []  # (example, prompt, parent, [first step of each continuation])
+        for (example, prompt, parent), pair in zip(parents, continuations):
+            firsts = []
+            for c in pair:
+                c_starts = step_token_starts(c.token_ids, c.text, tokenizer=tokenizer, dataset=dataset)
+                if len(c_starts) >= 2 and len(split_steps(c.text, dataset=dataset)) >= 2:
+                    firsts.append(c.token_ids[:c_starts[1]])
+            if len(firsts) == 2 and firsts[0] != firsts[1]:
+                found.append((example, prompt, parent, firsts))
+        if screen and found:
+            sequences = [prompt + parent + first for _, prompt, parent, firsts in found for first in firsts]
+            scores, _ = mc_rollouts(sampler=sampler, sequences=sequences, prefix_lens=[len(q) for q in sequences],
+                                    prompt_lens=[len(prompt) for _, prompt, _, firsts in found for _ in firsts],
+                                    answers=[e["answer"] for e, _, _, firsts in found for _ in firsts],
+                                    dataset=dataset, K=screen, temperature=temperature, top_p=top_p,
+                                    max_new_tokens=max_new_tokens, seed=seed + 20_000 + c0)
+            found = [f for i, f in enumerate(found) if any(0 < sum(v) < len(v) for v in scores[2 * i:2 * i + 2])]
+        for example, prompt, parent, firsts in found[:pairs - len(states) // 2]:
             for first in firsts:
                 states.append({"prompt": prompt, "prefix": parent + first, "answer": example["answer"],
                                "pair": len(states) // 2})
@@ -134,6 +154,8 @@ def main():
     parser.add_argument("--arith-ops", type=int, default=1)
     parser.add_argument("--arith-max", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=10, help="sibling pairs (states = 2 x pairs)")
+    parser.add_argument("--screen", type=int, default=0, help="keep only pairs one of whose states has an "
+                        "intermediate value in this many screening continuations (0: keep every pair)")
     parser.add_argument("--ground-truth", type=int, default=256, help="continuations per state for the true value")
     parser.add_argument("--ks", default="1,3,9", help="K values of the MC estimates")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -146,6 +168,11 @@ def main():
     parser.add_argument("--pool", type=int, default=45, help="fresh vines per state that the rules draw from")
     parser.add_argument("--repeats", type=int, default=1000, help="simulated draws for the rules' expected errors")
     args = parser.parse_args()
+    for name in ("pairs", "ground_truth", "max_new_tokens", "pool", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.screen < 0:
+        parser.error(f"--screen must be 0 (off) or above (got {args.screen})")
     ks = sorted(int(k) for k in args.ks.split(","))
     tokenizer = load_tokenizer(args.checkpoint)
     model = load_model(args.checkpoint, device=torch.device("cpu"), dtype=torch.float32, frozen=True)
@@ -154,7 +181,7 @@ def main():
                           arith_max=args.arith_max)
     states = sibling_states(sampler, tokenizer, examples, dataset=args.dataset, pairs=args.pairs,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed)
+                            seed=args.seed, screen=args.screen)
     rollout = dict(sampler=sampler, sequences=[s["prompt"] + s["prefix"] for s in states],
                    prefix_lens=[len(s["prompt"]) + len(s["prefix"]) for s in states],
                    prompt_lens=[len(s["prompt"]) for s in states], answers=[s["answer"] for s in states],

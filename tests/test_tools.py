@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from diagnose import expected_mc_error, ranking_accuracy
+from diagnose import expected_mc_error, ranking_accuracy, sibling_states
 from plot import plot_runs, read_metrics
 from visualize import colour, render_html
 
@@ -25,6 +25,53 @@ def test_ranking_accuracy():
     assert ranking_accuracy([0.1, 0.3, 0.7, 0.1, 0.0, 1.0], truth) == 0.0
     assert ranking_accuracy([0.5, 0.5, 0.1, 0.7, 0, 0], truth) == 0.75  # a tie counts half
     assert ranking_accuracy([0, 0], [0.5, 0.5]) is None
+
+
+class ScriptedSampler:
+    """Every response is "x = 2 / y = 3 / #### 5". Two continuations of Q0's parent share their first line (no
+    pair); Q1's and Q2's differ. Screening vines: Q1's states are all right, Q2's half right."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def make(self, text):
+        from rollout import Sample
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return Sample(token_ids=ids, text=text, finished=True, logprobs=[0.0] * len(ids))
+
+    def sample(self, prompts, *, n, **kwargs):
+        self.calls.append(("sample", len(prompts)))
+        return [[self.make("x = 2\ny = 3\n#### 5")] for _ in prompts]
+
+    def sample_prefixes(self, sequences, prefix_lens, *, n, **kwargs):
+        self.calls.append(("prefixes", len(sequences), n))
+        out = []
+        for seq, L in zip(sequences, prefix_lens):
+            problem = next(q for q in ("Q0", "Q1", "Q2") if q in self.tokenizer.decode(seq[:L]))
+            if n == 2:
+                firsts = ["z = 1\n", "z = 1\n"] if problem == "Q0" else ["a = 1\n", "b = 2\n"]
+                out.append([self.make(f + "c = 3\n#### 5") for f in firsts])
+            else:
+                out.append([self.make("#### 5" if problem == "Q1" or j % 2 else "#### 6") for j in range(n)])
+        return out
+
+
+def test_sibling_states_keep_differing_pairs_and_screen_for_intermediate_values(smol_path):
+    from model import load_tokenizer
+    tokenizer = load_tokenizer(smol_path)
+    examples = [{"question": f"Q{i}: what is 2 + 3?", "answer": "5"} for i in range(3)]
+    find = dict(tokenizer=tokenizer, examples=examples, dataset="arith", max_new_tokens=64, temperature=1.0,
+                top_p=1.0, seed=0)
+    sampler = ScriptedSampler(tokenizer)
+    states = sibling_states(sampler, pairs=5, **find)
+    assert [s["pair"] for s in states] == [0, 0, 1, 1]  # Q1 and Q2: Q0's two continuations begin alike
+    assert sampler.calls == [("sample", 3), ("prefixes", 3, 2)]  # the chunk in one call each
+    texts = [tokenizer.decode(s["prefix"]) for s in states]
+    assert texts[0].endswith("a = 1\n") and texts[1].endswith("b = 2\n") and "Q1" in tokenizer.decode(states[0]["prompt"])
+    screened = sibling_states(ScriptedSampler(tokenizer), pairs=5, screen=4, **find)
+    assert len(screened) == 2 and all("Q2" in tokenizer.decode(s["prompt"]) for s in screened)  # Q1's are all right
+    one = ScriptedSampler(tokenizer)
+    assert len(sibling_states(one, pairs=1, chunk=1, **find)) == 2 and len(one.calls) == 4  # Q0 (none), Q1: stop
 
 
 def test_colour_scale():
