@@ -280,7 +280,8 @@ def main(cfg: SFTConfig):
     stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
     sampler = HFSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings, batch_size=cfg.gen_batch_size)
     scorer = dist.wrap(Scorer(policy, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun; before AdamW
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=True)  # one kernel over all parameters: bench_adamw.py
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, partial(lr_factor, warmup=math.ceil(cfg.warmup_ratio * total), total=total))
     start, train_seconds, rng = 0, 0.0, random.Random(cfg.seed)  # rng: unused, kept for checkpoint.py's format

@@ -105,7 +105,7 @@ def main(cfg: Config):
     param_groups = [{"params": policy.parameters(), "lr": cfg.lr}]
     if value_head is not None:
         param_groups.append({"params": value_head.parameters(), "lr": cfg.value_lr})
-    optimizer = torch.optim.AdamW(param_groups, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups, weight_decay=cfg.weight_decay, fused=True)  # one kernel: bench_adamw.py
     total_steps = cfg.iterations * cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt /
                                                           cfg.minibatch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
