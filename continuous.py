@@ -173,6 +173,32 @@ def take_tokens(sampler, schedule: Schedule, rows: list[Row], hidden: torch.Tens
     show_progress(bar, tokens=len(rows), rows=finished)
 
 
+def sort_by_age(batch: list[Row], suffix_keys: torch.Tensor, suffix_values: torch.Tensor) -> list[Row]:
+    """The batch reordered oldest row first, its suffix cache slots moved with it (in place, one cycle of the
+    permutation at a time, each row's own columns only): consecutive slots then hold rows of similar age, so that
+    decoding.suffix_layout's blocks read few columns past their rows' own."""
+    order = sorted(range(len(batch)), key=lambda b: -len(batch[b].ids))  # new slot j <- old slot order[j]
+    seen = [False] * len(batch)
+    for j in range(len(batch)):
+        if seen[j] or order[j] == j:
+            seen[j] = True
+            continue
+        n = len(batch[j].ids)
+        keep_k, keep_v = suffix_keys[:, j, ..., :n].clone(), suffix_values[:, j, :, :n].clone()  # slot j's row
+        k = j
+        while order[k] != j:
+            seen[k], n = True, len(batch[order[k]].ids)
+            suffix_keys[:, k, ..., :n], suffix_values[:, k, :, :n] = suffix_keys[:, order[k], ..., :n], \
+                suffix_values[:, order[k], :, :n]
+            k = order[k]
+        seen[k], n = True, keep_k.shape[-1]
+        suffix_keys[:, k, ..., :n], suffix_values[:, k, :, :n] = keep_k, keep_v
+    return [batch[b] for b in order]
+
+
+RESORT_EVERY = 0  # probe: sort the batch by age every this many steps (0: never)
+
+
 def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_done, temperature, top_p, bar):
     """Sample `requests` (and whatever on_done adds) with continuous batching: see the module's docstring."""
     if not requests:
@@ -198,6 +224,7 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
                    prefix_lens=prefix_lens, budgets=budgets, bar=bar)
     batch, layout, device = [], None, cache["keys"].device  # batch[b]: the row in slot b of the suffix cache
     started, prefill_before = time.perf_counter(), sampler.timing["prefill_s"]
+    steps = 0
     while True:
         # 1. Admit: prefill the parents of waiting rows into free places, then fill free slots; each new row samples
         #    its first token from its prefix's last hidden state. Rows that finish at once free their slot again.
@@ -232,6 +259,10 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
                 if new != old:
                     suffix_keys[:, new], suffix_values[:, new] = suffix_keys[:, old], suffix_values[:, old]
             batch, live, changed = [batch[b] for b in live], list(range(len(live))), True
+        steps += 1
+        if RESORT_EVERY and steps % RESORT_EVERY == 0:
+            batch, changed = sort_by_age(batch, suffix_keys, suffix_values), True
+            live = [b for b, row in enumerate(batch) if not row.done]
         if changed:
             layout = prefix_layout(slots=[r.place for r in batch], lens=[r.prefix_len for r in batch], cache=cache,
                                    heads_per_kv=G)

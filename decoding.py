@@ -191,18 +191,25 @@ def to_rows(x: torch.Tensor, prefix: dict, Hkv: int) -> torch.Tensor:
     return x[prefix["row_place"]]
 
 
-def suffix_layout(steps: list[int], *, device) -> dict:
+def suffix_layout(steps: list[int], *, device, block: int = 32) -> dict:
     """Where each decoding row keeps its own generated tokens: row r (slot r of the suffix cache) writes this step's
     key/value at column steps[r] (its own step) and reads columns 0..steps[r]; columns past it (a longer row beside
     it, or what an earlier row of the slot left) are masked out with -inf. When every row is at the same step
-    (the static loop) there is nothing to mask."""
+    (the static loop) there is nothing to mask.
+    Rows at different steps (continuous batching) would all read up to the furthest row's step; instead each
+    `block` of consecutive slots reads up to its own furthest row's (`blocks`: (first slot, end, columns)), where
+    that reads at most 3/4 of the columns one width would (otherwise `blocks` is None: one matmul is cheaper)."""
     width = max(steps) + 1
     at = torch.tensor(steps, device=device)  # (B,)
-    bias = None
+    bias, blocks = None, None
     if min(steps) != max(steps):
         bias = torch.zeros(len(steps), 1, 1, width, device=device)  # (B, 1, 1, n) n = width
         bias.masked_fill_(torch.arange(width, device=device) > at[:, None, None, None], float("-inf"))
-    return {"steps": at, "rows": torch.arange(len(steps), device=device), "width": width, "bias": bias}
+        blocks = [(b, min(b + block, len(steps)), max(steps[b:b + block]) + 1) for b in range(0, len(steps), block)]
+        if sum((end - b) * n for b, end, n in blocks) > 0.75 * len(steps) * width:
+            blocks = None
+    return {"steps": at, "rows": torch.arange(len(steps), device=device), "width": width, "bias": bias,
+            "blocks": blocks}
 
 
 def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_keys, prefix_values, suffix_keys,
@@ -236,7 +243,13 @@ def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_
     scores_p = torch.baddbmm(prefix["bias"], qp, pk)  # (S * Hkv, R * G, Wp), masked by the bias
     scores_p = scores_p.view(B, Hkv, G, Wp) if one_each else to_rows(scores_p, prefix, Hkv)  # (B, Hkv, G, Wp)
     sk, sv = suffix_keys[layer][..., :n], suffix_values[layer][:, :, :n]  # (B, Hkv, D, n), (B, Hkv, n, D)
-    scores_s = torch.matmul(q.float(), sk)  # (B, Hkv, G, n)
+    blocks = suffix.get("blocks")
+    if blocks is None:
+        scores_s = torch.matmul(q.float(), sk)  # (B, Hkv, G, n)
+    else:  # each block of slots reads its own columns; the ones it skips are masked by the bias
+        scores_s = q.new_zeros((B, Hkv, G, n), dtype=torch.float32)  # (B, Hkv, G, n)
+        for b0, b1, m in blocks:
+            scores_s[b0:b1, ..., :m] = torch.matmul(q[b0:b1].float(), sk[b0:b1, ..., :m])  # (b, Hkv, G, m)
     if suffix["bias"] is not None:
         scores_s += suffix["bias"]  # (B, 1, 1, n): each row reads only its own steps
     # 2. One softmax over both parts, in fp32.
@@ -246,5 +259,10 @@ def decode_attention(layer: int, q, k, v, *, scale: float, prefix: dict, prefix_
     w_p = w_p.reshape(S * Hkv, G, Wp) if one_each else to_sequences(w_p, prefix)  # (S * Hkv, R * G, Wp)
     out_p = torch.bmm(w_p, pv.transpose(1, 2))  # (S * Hkv, R * G, D)
     out_p = out_p.view(B, Hkv, G, D) if one_each else to_rows(out_p, prefix, Hkv)  # (B, Hkv, G, D)
-    out = out_p.float() + torch.matmul(weights[..., Wp:], sv)  # (B, Hkv, G, D)
+    if blocks is None:
+        out = out_p.float() + torch.matmul(weights[..., Wp:], sv)  # (B, Hkv, G, D)
+    else:
+        out = out_p.float()  # (B, Hkv, G, D)
+        for b0, b1, m in blocks:
+            out[b0:b1] += torch.matmul(weights[b0:b1, ..., Wp:Wp + m], sv[b0:b1, :, :m])  # (b, Hkv, G, D)
     return out.reshape(B, H, 1, D).to(q.dtype)

@@ -110,18 +110,21 @@ def naive_attention(q, keys, values):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("ragged", [False, True])
-def test_decode_attention_equals_plain_softmax_attention(dtype, tol, shared, ragged):
+@pytest.mark.parametrize("ragged, block", [(False, 32), (True, 32), (True, 2)])
+def test_decode_attention_equals_plain_softmax_attention(dtype, tol, shared, ragged, block):
     """Both layouts (each row its own sequence; several rows continuing prefixes of one sequence, some stopping
     early in it) against the obvious computation, in fp32 and bf16; rows at one step (the static loop) or each at
-    its own (continuous batching), with junk in the suffix columns a row must not read."""
+    its own (continuous batching), with junk in the suffix columns a row must not read; and with the suffix read
+    in blocks of 2 slots, each to its own furthest row's step (suffix_layout's blocks)."""
     g = torch.Generator().manual_seed(0)
     L, Hkv, G, D = 2, 2, 3, 8
     lens = [5, 7, 4] if not shared else [6, 3, 6, 5]  # prefix length of each row
     seq_lens = [5, 7, 4] if not shared else [6, 5]
     slots = [0, 1, 2] if not shared else [0, 0, 0, 1]
     W, B = max(seq_lens), len(slots)
-    steps = ([3, 0, 6, 1] if ragged else [3] * 4)[:B]  # each row's own step: the suffix column it writes
+    steps = ([1, 0, 6, 5] if ragged else [3] * 4)[:B]  # each row's own step: the suffix column it writes
+    suffix = suffix_layout(steps, device=torch.device("cpu"), block=block)
+    assert (suffix["blocks"] is not None) == (block == 2)  # blocks of 2: 2 + 7 columns a row, not 7
     keys = torch.randn(L, len(seq_lens), Hkv, D, W, generator=g).to(dtype)  # right-aligned, transposed cache
     values = torch.randn(L, len(seq_lens), Hkv, D, W, generator=g).to(dtype)
     cache = {"keys": keys, "values": values, "lens": seq_lens, "width": W}
@@ -133,7 +136,7 @@ def test_decode_attention_equals_plain_softmax_attention(dtype, tol, shared, rag
     for layer in range(L):
         out = decode_attention(layer, q, k, v, scale=1.0, prefix=layout, prefix_keys=keys, prefix_values=values,
                                suffix_keys=suffix_keys, suffix_values=suffix_values,
-                               suffix=suffix_layout(steps, device=q.device))
+                               suffix=suffix)
         assert out.dtype == dtype and out.shape == (B, Hkv * G, 1, D)
         for r in range(B):
             s, start, step = slots[r], W - seq_lens[slots[r]], steps[r]
