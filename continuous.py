@@ -196,9 +196,6 @@ def sort_by_age(batch: list[Row], suffix_keys: torch.Tensor, suffix_values: torc
     return [batch[b] for b in order]
 
 
-RESORT_EVERY = 0  # probe: sort the batch by age every this many steps (0: never)
-
-
 def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_done, temperature, top_p, bar):
     """Sample `requests` (and whatever on_done adds) with continuous batching: see the module's docstring."""
     if not requests:
@@ -260,7 +257,7 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
                     suffix_keys[:, new], suffix_values[:, new] = suffix_keys[:, old], suffix_values[:, old]
             batch, live, changed = [batch[b] for b in live], list(range(len(live))), True
         steps += 1
-        if RESORT_EVERY and steps % RESORT_EVERY == 0:
+        if sampler.resort_every and steps % sampler.resort_every == 0:
             batch, changed = sort_by_age(batch, suffix_keys, suffix_values), True
             live = [b for b, row in enumerate(batch) if not row.done]
         if changed:
@@ -271,7 +268,8 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
         positions = torch.tensor([[r.prefix_len + len(r.ids) - 1] for r in batch], device=device)  # (B, 1)
         attend = partial(decode_attention, prefix=layout, prefix_keys=cache["keys"], prefix_values=cache["values"],
                          suffix_keys=suffix_keys[:, :len(batch)], suffix_values=suffix_values[:, :len(batch)],
-                         suffix=suffix_layout([len(r.ids) - 1 for r in batch], device=device))
+                         suffix=suffix_layout([len(r.ids) - 1 for r in batch], device=device,
+                                              block=sampler.suffix_block))
         hidden = decoder_forward(sampler.model, ids=ids, positions=positions, attend=attend)[:, -1]  # (B, hidden)
         take([batch[b] for b in live], hidden[live] if len(live) < len(batch) else hidden)
     sampler.timing["decode_s"] += time.perf_counter() - started - (sampler.timing["prefill_s"] - prefill_before)

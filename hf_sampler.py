@@ -48,10 +48,13 @@ class HFSampler:
 
     def __init__(self, model, tokenizer, *, dtype: torch.dtype | None = None, stop_strings=(), batch_size: int = 256,
                  prefill_tokens: int = 4096, group_tokens: int = 65536, reuse_prefixes: bool = True,
-                 continuous: bool = True):
+                 continuous: bool = True, suffix_block: int = 32, resort_every: int = 16):
         self.model, self.tokenizer, self.stop_strings = sampler_model(model, dtype), tokenizer, list(stop_strings)
         self.reuse_prefixes = reuse_prefixes  # False: every input sequence is prefilled on its own (the naive way)
         self.continuous = continuous  # False: the static loop (fixed batches, rounds with a barrier)
+        # continuous batching: every resort_every steps the rows are sorted by age (0: never), and each block of
+        # suffix_block slots reads its suffix only as far as its oldest row (continuous.py, decoding.suffix_layout)
+        self.suffix_block, self.resort_every = suffix_block, resort_every
         self.batch_size, self.prefill_tokens, self.group_tokens = batch_size, prefill_tokens, group_tokens
         eos = model.generation_config.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id} | set([eos] if isinstance(eos, int) else eos or [])

@@ -5,6 +5,7 @@ from functools import partial
 import pytest
 import torch
 
+from continuous import Row, sort_by_age
 from decoding import gumbel, sample_tokens
 from hf_sampler import HFSampler
 from rollout import GenerateSampler, Sample, cut_at_stop
@@ -126,7 +127,8 @@ def states(smol, prompts):
 def test_continuous_batching_samples_the_static_loops_tokens(smol, states):
     """fp32, EOS on, 4 decode slots for 15 rows: finished rows' slots are refilled by rows that start at step 0 beside
     rows far into theirs; with group_tokens=1 the prefill pool holds one sequence at a time (prefilled as places free
-    up). Every row's tokens equal the static loop's, row for row; log-probs to rounding."""
+    up); with the rows sorted by age every 3 steps and the suffix read in blocks of 2 slots. Every row's tokens equal
+    the static loop's, row for row; log-probs to rounding."""
     model, tokenizer = smol
     seqs, lens, budgets = states
     kwargs = dict(n=3, temperature=0.6, top_p=0.9, max_new_tokens=budgets, seed=7)
@@ -135,7 +137,8 @@ def test_continuous_batching_samples_the_static_loops_tokens(smol, states):
     assert len(set(lengths)) > 3 and sum(s.finished and len(s.token_ids) < b for g, b in zip(static, budgets)
                                          for s in g) >= 3  # rows end at many different steps, some at EOS
     for sampler in (HFSampler(model, tokenizer, batch_size=4), HFSampler(model, tokenizer, batch_size=4,
-                                                                         group_tokens=1)):
+                                                                         group_tokens=1),
+                    HFSampler(model, tokenizer, batch_size=4, suffix_block=2, resort_every=3)):
         out = sampler.sample_prefixes(seqs, lens, **kwargs)
         assert [[s.token_ids for s in g] for g in out] == [[s.token_ids for s in g] for g in static]
         for a, b in zip([s for g in out for s in g], [s for g in static for s in g]):
@@ -162,6 +165,22 @@ def test_requests_added_while_decoding_sample_as_in_static_passes(smol, states):
     assert logs[0] == logs[1] and len(logs[0]) == 5 + 3
     order = [tag for _, tag in logs[1]]  # the continuous loop's, in the order the requests ended
     assert order.index(1) < len(order) - 1 - order[::-1].index(0)
+
+
+def test_sort_by_age_moves_each_rows_suffix_with_it():
+    """Oldest row first; each row's own suffix columns (keys and values, every layer) land in its new slot."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 9, 1, 9, 5, 2]  # len(ids) of the row in each slot; two of the same age keep their order
+    batch = [Row(state=i, parent=0, prefix_len=4, budget=10, seed=0, key=i, request=0, index=i, ids=[7] * n)
+             for i, n in enumerate(lengths)]
+    keys, values = torch.randn(2, 6, 3, 4, 10, generator=g), torch.randn(2, 6, 3, 10, 4, generator=g)  # (L, B, Hkv, D, Ws)
+    before = {r.state: (keys[:, b, ..., :len(r.ids)].clone(), values[:, b, :, :len(r.ids)].clone())
+              for b, r in enumerate(batch)}
+    out = sort_by_age(batch, keys, values)
+    assert [r.state for r in out] == [1, 3, 4, 0, 5, 2]
+    for b, r in enumerate(out):
+        assert torch.equal(keys[:, b, ..., :len(r.ids)], before[r.state][0])
+        assert torch.equal(values[:, b, :, :len(r.ids)], before[r.state][1])
 
 
 def test_gumbel_noise_is_a_pure_function_and_uniform():
