@@ -16,7 +16,7 @@ import dist  # noqa: E402
 from model import Scorer, new_value_head  # noqa: E402
 from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update  # noqa: E402
 from rollout import Sample  # noqa: E402
-from sft import sft_step  # noqa: E402
+from sft import save_final, sft_step  # noqa: E402
 from values import estimate_values  # noqa: E402
 
 
@@ -75,9 +75,9 @@ def ppo_case(case: str) -> dict:
     return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "start": start, "stats": stats}
 
 
-def sft_case(case: str) -> dict:
+def sft_case(case: str, out: str) -> dict:
     """One sft_step (SGD) on a batch of 8: rank r takes instances r, r + world, ... (as sft.py deals them), so with
-    2 ranks one rank holds the short targets and the other the long ones."""
+    2 ranks one rank holds the short targets and the other the long ones; then sft.save_final writes the model."""
     rank, world = dist.rank(), dist.world()
     prompts, responses, _, _ = episodes()
     order = [0, 4, 1, 5, 2, 6, 3, 7]  # short and long alternate: rank 0 gets 0-3 (short), rank 1 gets 4-7 (long)
@@ -90,12 +90,19 @@ def sft_case(case: str) -> dict:
     stats = sft_step(scorer, optimizer, scheduler, pairs, batch_size=8, micro_batch_size=2, pad_id=0,
                      max_grad_norm=1e9)
     weights = dist.full_state_dict(policy)
-    return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "start": start, "stats": stats}
+    folder = Path(out).parent / f"final-{world}"  # sft.py's final model, gathered from the shards under FSDP2
+    folder.mkdir(exist_ok=True)
+    save_final(folder, policy=policy, tokenizer=FakeTokenizer(), prompt_format="chat")
+    return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "start": start, "stats": stats,
+            "saved": str(folder)}
 
 
 class FakeTokenizer:
     def batch_decode(self, rows, skip_special_tokens=True):
         return ["" for _ in rows]
+
+    def save_pretrained(self, folder):
+        pass
 
 
 class RecordingSampler:
@@ -142,7 +149,7 @@ if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
     dist.init(torch.device("cpu"))
     torch.set_num_threads(1)
-    result = split_case() if case == "split" else sft_case(case) if case.startswith("sft") else ppo_case(case)
+    result = split_case() if case == "split" else sft_case(case, out) if case.startswith("sft") else ppo_case(case)
     if dist.rank() == 0:
         torch.save(result, out)
     dist.finish()

@@ -50,7 +50,7 @@ def test_kill_at_every_point_then_resume(tmp_path, smol_path):
     from transformers import AutoModelForCausalLM
     out = tmp_path / "run"
     for n, point in enumerate(["rollout:2", "ppo:2", "metrics:2", "save:2"]):
-        proc = start(out, *(["--resume"] if n else []), pause=point)
+        proc = start(out, "--iterations", "3", *(["--resume"] if n else []), pause=point)
         wait_for(proc, f"paused at {point}")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -58,12 +58,12 @@ def test_kill_at_every_point_then_resume(tmp_path, smol_path):
         assert iterations(out)[:2] == [0, 1] and iterations(out) in ([0, 1], [0, 1, 2]), point
         if point == "save:2":
             assert list(out.glob(".tmp-ckpt-*")), "the dead save should have left its temp folder"
-    proc = start(out, "--resume")
+    proc = start(out, "--iterations", "3", "--resume")
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0 and "resumed from" in log, log
-    assert iterations(out) == [0, 1, 2, 3, 4]  # each iteration exactly once
-    assert committed(out) == "ckpt-000004" and not list(out.glob(".tmp-ckpt-*"))
-    model = AutoModelForCausalLM.from_pretrained(out / "ckpt-000004")
+    assert iterations(out) == [0, 1, 2, 3]  # each iteration exactly once
+    assert committed(out) == "ckpt-000003" and not list(out.glob(".tmp-ckpt-*"))
+    model = AutoModelForCausalLM.from_pretrained(out / "ckpt-000003")
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
