@@ -20,6 +20,8 @@ last-state vine one line). Here, as in vLLM's scheduler, rows are admitted as ot
   positions at its prefix length + its own step. Its noise (seed, key, its own step, token), and so its tokens in
   fp32, do not depend on what shares its batch or when it started. When nothing can be admitted, finished rows
   leave once they are a quarter of the batch, as in the static loop.
+- Rows of different ages share the batch: every resort_every steps they are sorted oldest first (sort_by_age), so
+  that each block of suffix_block slots reads its suffix only as far as its own oldest row (decoding.suffix_layout).
 - When a request's rows are all done, on_done(request, samples) is called at once; the requests it returns join the
   queues in the same step (values.py: a state's next round of vines, with no barrier).
 
