@@ -12,8 +12,8 @@ then linear decay (train.lr_factor); pass@1 on the test split before and after (
     OUT/ckpt-NNNNNN/, OUT/latest                          the last checkpoint, for --resume (checkpoint.py)
 
 Under torchrun (`torchrun --nproc_per_node=N sft.py ...`, dist.py) each rank takes batch_size / N instances of every
-step, DDP or --fsdp (FSDP2), and rank 0 writes the files; the step is the one a single process takes. Shapes: B = instances in a micro-batch, P = prompt length (left-padded),
-R = target length (right-padded), T = P + R.
+step, DDP or --fsdp (FSDP2), and rank 0 writes the files; the step is the one a single process takes.
+Shapes: B = instances in a micro-batch, P = prompt length (left-padded), R = target length (right-padded), T = P + R.
 """
 import math
 import os
