@@ -239,6 +239,8 @@ def plot_summary(summary: dict, path: Path, *, title: str):
     right.axhline(0.5, color="gray", linestyle="--", linewidth=1)
     right.set_title("sibling steps ranked right (higher is better)")
     right.set_ylim(0, 1)
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelrotation=25, labelsize=8)  # long names ("rule adaptive:0.45") overlap flat
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
