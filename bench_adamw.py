@@ -17,6 +17,17 @@ from bench import best_time
 from model import DEFAULT_MODEL, load_model
 
 
+def restore(optimizer, kind: str, *, params, weights, state: dict):
+    """Put `params` back to `weights` and load `state` into `optimizer`, with its own kind's flag (load_state_dict
+    would otherwise take the saved foreach / fused flags)."""
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    loaded = copy.deepcopy(state)
+    loaded["param_groups"][0].update(foreach=kind == "foreach", fused=kind == "fused")
+    optimizer.load_state_dict(loaded)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="whose parameters to step (Hub id, folder or .gguf)")
@@ -28,27 +39,17 @@ def main():
     policy = load_model(args.model, device=torch.device("cpu"), dtype=torch.float32)
     params = list(policy.parameters())
     generator = torch.Generator().manual_seed(0)
-    grads = [torch.randn(p.shape, generator=generator) * 1e-3 for p in params]  # (shape of each parameter)
-    for p, g in zip(params, grads):
-        p.grad = g.clone()
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator) * 1e-3  # (shape of the parameter)
     start_weights = [p.detach().clone() for p in params]
     optimizers = {kind: torch.optim.AdamW(params, lr=args.lr, **{kind: True}) for kind in ("foreach", "fused")}
     optimizers["foreach"].step()  # moments of one step, shared by both
     state = copy.deepcopy(optimizers["foreach"].state_dict())
     after = {}
-
-    def restore(kind: str):
-        with torch.no_grad():
-            for p, w in zip(params, start_weights):
-                p.copy_(w)
-        loaded = copy.deepcopy(state)
-        loaded["param_groups"][0].update(foreach=kind == "foreach", fused=kind == "fused")  # else the saved flags win
-        optimizers[kind].load_state_dict(loaded)
-
     seconds = {kind: float("inf") for kind in optimizers}
     for repeat in range(args.repeats + 1):  # the first pair only warms up: not timed
         for kind, optimizer in optimizers.items():
-            restore(kind)
+            restore(optimizer, kind, params=params, weights=start_weights, state=state)
             took = best_time(optimizer.step, repeats=1)
             if repeat:
                 seconds[kind] = min(seconds[kind], took)

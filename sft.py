@@ -273,8 +273,8 @@ def main(cfg: SFTConfig):
                          f"--batch-size {cfg.batch_size}")
     per_epoch = len(pairs) // cfg.batch_size
     total = cfg.max_steps or cfg.epochs * per_epoch
-    dist.print0(f"{len(pairs)} train examples ({len(train_set) - len(pairs)} without a solution skipped, {cut} cut to "
-          f"--max-length {cfg.max_length}), {per_epoch} steps per epoch of {cfg.batch_size}; {total} steps")
+    dist.print0(f"{len(pairs)} train examples ({len(train_set) - len(pairs)} without a solution skipped, {cut} cut "
+                f"to --max-length {cfg.max_length}), {per_epoch} steps per epoch of {cfg.batch_size}; {total} steps")
     policy = load_model(str(source or cfg.model), device=device, dtype=torch.float32,
                         trust_remote_code=cfg.trust_remote_code)
     stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []

@@ -3,8 +3,8 @@
 share; rank 0 writes what the test compares (OUT, a torch file).
 
 Cases: ppo, ppo-critic, ppo-fsdp (one PPO iteration of a tiny random Llama, 8 episodes whose response lengths differ
-a lot between the first and the second half), sft, sft-fsdp (one sft.py step of it on 8 such instances), split (estimate_values with a fake sampler that records the states it
-is asked to continue).
+a lot between the first and the second half), sft, sft-fsdp (one sft.py step of it on 8 such instances, then its
+final model saved), split (estimate_values with a fake sampler that records the states it is asked to continue).
 """
 import sys
 from pathlib import Path
