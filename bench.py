@@ -24,16 +24,18 @@ generated arith problems, which need no data files. On CUDA every timer waits fo
 4. Greedy agreement: 64-token greedy continuations of --agree-prompts real prompts in fp32 and in bf16; how many
    leading tokens agree before the first difference (a near-tie flips, and the texts part ways after it).
 5. Real vines (EOS on): one default CPU iteration's values (--vine-prompts x --vine-samples GSM8K train responses of
-   up to --vine-max-new-tokens, sampled by our bf16 sampler; their states as train.py estimates them, deduplicated,
-   at most 25 per response; K = 9 vines each at T = 0.6, top_p = 0.9), at --gen-batch-size 256: the static loop
-   (continuous=False) against continuous batching, in bf16 and fp32 (fp32: do both give the same values and vine
-   tokens?); and, on the same states in bf16, fixed K = 9 against --k-mode adaptive --k-ci 0.45 and budget 9, on
-   both loops for adaptive (static: a prefill and a barrier per round; continuous: a state's next round joins the
-   running batch). Seconds of estimate_values, and vines. `--only-vines` runs this part alone.
+   up to --vine-max-new-tokens, sampled by our sampler in --vine-dtype; their states as train.py estimates them,
+   deduplicated, at most 25 per response; K = 9 vines each at T = 0.6, top_p = 0.9), at --gen-batch-size 256: the
+   static loop (continuous=False) against continuous batching, in --vine-dtype (auto: what train.py's --dtype auto
+   picks, bf16 where the device has native bf16 matmuls, else fp32) and in fp32 (fp32: do both give the same values
+   and vine tokens?); and, on the same states in --vine-dtype, fixed K = 9 against --k-mode adaptive --k-ci 0.45
+   and budget 9, on both loops for adaptive (static: a prefill and a barrier per round; continuous: a state's next
+   round joins the running batch). Seconds of estimate_values, and vines. `--only-vines` runs this part alone.
 The last line: speedup_b64=<ours/generate, decode, at 64> frac_b256=<ours decode/limit at 256>
 reuse_overhead=<reuse/alone> reuse_vs_naive=<naive/reuse> bf16_vs_fp32_b64=<ours bf16/ours fp32, decode, at 64>
-bf16_vs_fp32_b256=<the same at 256> continuous_vs_static=<static seconds/continuous seconds, real vines, bf16>
-adaptive_vs_fixed_seconds=<adaptive 0.45 seconds/fixed K = 9 seconds, continuous, bf16, the same states>.
+bf16_vs_fp32_b256=<the same at 256> continuous_vs_static=<static seconds/continuous seconds, real vines,
+--vine-dtype> adaptive_vs_fixed_seconds=<adaptive 0.45 seconds/fixed K = 9 seconds, continuous, --vine-dtype, the
+same states>.
 Every figure also goes to --json PATH, with the peak memory of each run (GB: the resident high-water mark on a CPU,
 torch.cuda.max_memory_allocated on CUDA; monitor.peak_memory_gb).
 """
@@ -189,6 +191,8 @@ def main():
     parser.add_argument("--dataset", default="gsm8k", choices=["gsm8k", "arith"], help="where the prompts come from")
     parser.add_argument("--json", help="also write every figure to this file")
     parser.add_argument("--vine-k", type=int, default=8, help="vines per state in the VinePPO pattern")
+    parser.add_argument("--vine-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="the real-vines section's sampler dtype (auto: bf16 where native, else fp32, as train.py)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: torch sees no CUDA device")

@@ -1,7 +1,8 @@
 """Section 5 of bench.py, real vines: one default CPU iteration's MC values (GSM8K train responses sampled with EOS
-on, their states as train.py estimates them), timed on the static decode loop against continuous batching, in bf16
-and fp32, and fixed K = 9 against adaptive and budget K on the same states. bench.py's docstring says what each
-figure is; `python bench.py --only-vines` runs this part alone.
+on, their states as train.py estimates them), timed on the static decode loop against continuous batching, in the
+sampler's dtype (--vine-dtype; auto: what train.py's --dtype auto picks here, bf16 where the device has native bf16
+matmuls, else fp32) and in fp32, and fixed K = 9 against adaptive and budget K on the same states. bench.py's
+docstring says what each figure is; `python bench.py --only-vines` runs this part alone.
 """
 import random
 import time
@@ -11,6 +12,7 @@ import torch
 from data import encode_prompt, load_split
 from grader import grade
 from hf_sampler import HFSampler
+from model import pick_dtype
 from sampling import row_seed
 from values import estimate_values, step_token_starts
 
@@ -40,31 +42,38 @@ def timed_values(sampler, iteration: dict, **rule) -> tuple[float, list, dict]:
 
 
 def real_vines(model, tokenizer, args) -> dict:
-    """Section 5 of the docstring; prints its lines, returns the ratios of the last line."""
-    bf16 = {c: HFSampler(model, tokenizer, batch_size=args.gen_batch_size, dtype=torch.bfloat16, continuous=c)
+    """Section 5 of the docstring; prints its lines, returns the ratios of the last line. The first five runs are in
+    args.vine_dtype (auto: bf16 where native, else fp32); the fp32 pair is run again only if that dtype is not fp32."""
+    dtype = pick_dtype(args.vine_dtype, next(model.parameters()).device)
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    main = {c: HFSampler(model, tokenizer, batch_size=args.gen_batch_size, dtype=dtype, continuous=c)
             for c in (False, True)}
-    fp32 = {c: HFSampler(model, tokenizer, batch_size=args.gen_batch_size, continuous=c) for c in (False, True)}
-    iteration = vine_iteration(bf16[True], tokenizer, data_dir=args.data_dir, prompts=args.vine_prompts,
+    fp32 = main if dtype == torch.float32 else {
+        c: HFSampler(model, tokenizer, batch_size=args.gen_batch_size, continuous=c) for c in (False, True)}
+    iteration = vine_iteration(main[True], tokenizer, data_dir=args.data_dir, prompts=args.vine_prompts,
                                samples=args.vine_samples, max_new_tokens=args.vine_max_new_tokens)
     fixed, adaptive = {"k_mode": "fixed"}, {"k_mode": "adaptive", "k_ci": 0.45}
+    plan = [(f"static {name} fixed", main[False], fixed), (f"continuous {name} fixed", main[True], fixed),
+            (f"continuous {name} adaptive:0.45", main[True], adaptive),
+            (f"static {name} adaptive:0.45", main[False], adaptive),
+            (f"continuous {name} budget:9", main[True], {"k_mode": "budget"})]
+    if name != "fp32":
+        plan += [("static fp32 fixed", fp32[False], fixed), ("continuous fp32 fixed", fp32[True], fixed)]
     runs = {}  # (loop, dtype, rule) -> (seconds, values, stats), in this order: neighbours compared, as A B A B
-    for name, sampler, rule in (("static bf16 fixed", bf16[False], fixed), ("continuous bf16 fixed", bf16[True], fixed),
-                                ("continuous bf16 adaptive:0.45", bf16[True], adaptive),
-                                ("static bf16 adaptive:0.45", bf16[False], adaptive),
-                                ("continuous bf16 budget:9", bf16[True], {"k_mode": "budget"}),
-                                ("static fp32 fixed", fp32[False], fixed), ("continuous fp32 fixed", fp32[True], fixed)):
-        runs[name] = timed_values(sampler, iteration, **rule)
-        seconds, _, stats = runs[name]
-        print(f"real vines, {name}: {seconds:.1f}s, {stats['value_states']} states, {stats['vines']} vines "
+    for run_name, sampler, rule in plan:
+        runs[run_name] = timed_values(sampler, iteration, **rule)
+        seconds, _, stats = runs[run_name]
+        print(f"real vines, {run_name}: {seconds:.1f}s, {stats['value_states']} states, {stats['vines']} vines "
               f"({stats['vines_per_state']:.2f} per state), {stats['vine_tokens']} vine tokens "
               f"({stats['vine_tokens'] / seconds:.0f} tok/s)", flush=True)
     same = runs["static fp32 fixed"][1:] == runs["continuous fp32 fixed"][1:]
-    seconds = {name: run[0] for name, run in runs.items()}
-    print(f"real vines: continuous vs static {seconds['static bf16 fixed'] / seconds['continuous bf16 fixed']:.2f}x "
-          f"bf16, {seconds['static fp32 fixed'] / seconds['continuous fp32 fixed']:.2f}x fp32 (fp32 values and vine "
-          f"tokens identical: {same}); adaptive:0.45 / fixed K=9 seconds: continuous "
-          f"{seconds['continuous bf16 adaptive:0.45'] / seconds['continuous bf16 fixed']:.2f}, static "
-          f"{seconds['static bf16 adaptive:0.45'] / seconds['static bf16 fixed']:.2f}; budget:9 / fixed: "
-          f"{seconds['continuous bf16 budget:9'] / seconds['continuous bf16 fixed']:.2f} (continuous)", flush=True)
-    return {"continuous_vs_static": seconds["static bf16 fixed"] / seconds["continuous bf16 fixed"],
-            "adaptive_vs_fixed_seconds": seconds["continuous bf16 adaptive:0.45"] / seconds["continuous bf16 fixed"]}
+    seconds = {run_name: run[0] for run_name, run in runs.items()}
+    ratio = lambda a, b: seconds[f"{a} {name} {b}"] / seconds[f"continuous {name} fixed"]  # a run / continuous fixed
+    fp32 = seconds["static fp32 fixed"] / seconds["continuous fp32 fixed"]
+    print(f"real vines: continuous vs static {ratio('static', 'fixed'):.2f}x {name}"
+          + (f", {fp32:.2f}x fp32" if name != "fp32" else "") + f" (fp32 values and vine tokens identical: {same}); "
+          f"adaptive:0.45 / fixed K=9 seconds: continuous {ratio('continuous', 'adaptive:0.45'):.2f}, static "
+          f"{seconds[f'static {name} adaptive:0.45'] / seconds[f'static {name} fixed']:.2f}; budget:9 / fixed: "
+          f"{ratio('continuous', 'budget:9'):.2f} (continuous)", flush=True)
+    return {"continuous_vs_static": ratio("static", "fixed"),
+            "adaptive_vs_fixed_seconds": ratio("continuous", "adaptive:0.45")}

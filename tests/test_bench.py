@@ -2,22 +2,28 @@
 rows, and the static and continuous loops give the same fp32 values and vine tokens (the identity its line reports)."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 
-def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys):
+@pytest.mark.parametrize("dtype, runs", [("bfloat16", 7), ("float32", 5)])
+def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys, dtype, runs):
+    """In bf16: five runs in bf16, then the fp32 pair; in fp32 the five runs hold the fp32 pair already."""
     from bench_vines import real_vines
     from model import load_tokenizer
     from shapes import random_model
     tokenizer = load_tokenizer(smol_path)
     model = random_model("tiny", tokenizer=tokenizer, device=torch.device("cpu"))
-    args = SimpleNamespace(gen_batch_size=16, data_dir=None, vine_prompts=1, vine_samples=2, vine_max_new_tokens=24)
+    args = SimpleNamespace(gen_batch_size=16, data_dir=None, vine_prompts=1, vine_samples=2, vine_max_new_tokens=24,
+                           vine_dtype=dtype)
     ratios = real_vines(model, tokenizer, args)
     assert set(ratios) == {"continuous_vs_static", "adaptive_vs_fixed_seconds"}
     assert all(v > 0 for v in ratios.values())
     out = capsys.readouterr().out
     assert "fp32 values and vine tokens identical: True" in out
-    assert out.count("real vines, ") == 7  # the seven timed runs, each with its states, vines and tokens
+    assert out.count("real vines, ") == runs  # the timed runs, each with its states, vines and tokens
+    name = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
+    assert f"real vines, continuous {name} adaptive:0.45" in out and "continuous vs static" in out
 
 
 def test_subnormal_counts_by_hand():
