@@ -30,7 +30,9 @@ generated arith problems, which need no data files. On CUDA every timer waits fo
    picks, bf16 where the device has native bf16 matmuls, else fp32) and in fp32 (fp32: do both give the same values
    and vine tokens?); and, on the same states in --vine-dtype, fixed K = 9 against --k-mode adaptive --k-ci 0.45
    and budget 9, on both loops for adaptive (static: a prefill and a barrier per round; continuous: a state's next
-   round joins the running batch). Seconds of estimate_values, and vines. `--only-vines` runs this part alone.
+   round joins the running batch). Seconds of estimate_values, and vines. The fixed-K pair runs first and, again
+   in reverse order, last (--no-vine-repeat: first only); its seconds are the means (this machine's speed drifts by
+   10-20% within an hour). `--only-vines` runs this part alone.
 The last line: speedup_b64=<ours/generate, decode, at 64> frac_b256=<ours decode/limit at 256>
 reuse_overhead=<reuse/alone> reuse_vs_naive=<naive/reuse> bf16_vs_fp32_b64=<ours bf16/ours fp32, decode, at 64>
 bf16_vs_fp32_b256=<the same at 256> continuous_vs_static=<static seconds/continuous seconds, real vines,
@@ -193,6 +195,8 @@ def main():
     parser.add_argument("--vine-k", type=int, default=8, help="vines per state in the VinePPO pattern")
     parser.add_argument("--vine-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="the real-vines section's sampler dtype (auto: bf16 where native, else fp32, as train.py)")
+    parser.add_argument("--vine-repeat", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the real-vines fixed-K pair again at the end, in reverse order, and take means")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: torch sees no CUDA device")

@@ -43,7 +43,9 @@ def timed_values(sampler, iteration: dict, **rule) -> tuple[float, list, dict]:
 
 def real_vines(model, tokenizer, args) -> dict:
     """Section 5 of the docstring; prints its lines, returns the ratios of the last line. The first five runs are in
-    args.vine_dtype (auto: bf16 where native, else fp32); the fp32 pair is run again only if that dtype is not fp32."""
+    args.vine_dtype (auto: bf16 where native, else fp32); with args.vine_repeat the fixed-K pair is run again after
+    them, in the reverse order (A B ... B A: a drift over the runs weighs on both loops alike), and each loop's
+    seconds are its mean; the fp32 pair is run again only if that dtype is not fp32."""
     dtype = pick_dtype(args.vine_dtype, next(model.parameters()).device)
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     main = {c: HFSampler(model, tokenizer, batch_size=args.gen_batch_size, dtype=dtype, continuous=c)
@@ -53,27 +55,29 @@ def real_vines(model, tokenizer, args) -> dict:
     iteration = vine_iteration(main[True], tokenizer, data_dir=args.data_dir, prompts=args.vine_prompts,
                                samples=args.vine_samples, max_new_tokens=args.vine_max_new_tokens)
     fixed, adaptive = {"k_mode": "fixed"}, {"k_mode": "adaptive", "k_ci": 0.45}
-    plan = [(f"static {name} fixed", main[False], fixed), (f"continuous {name} fixed", main[True], fixed),
-            (f"continuous {name} adaptive:0.45", main[True], adaptive),
-            (f"static {name} adaptive:0.45", main[False], adaptive),
-            (f"continuous {name} budget:9", main[True], {"k_mode": "budget"})]
+    pair = [(f"static {name} fixed", main[False], fixed), (f"continuous {name} fixed", main[True], fixed)]
+    plan = pair + [(f"continuous {name} adaptive:0.45", main[True], adaptive),
+                   (f"static {name} adaptive:0.45", main[False], adaptive),
+                   (f"continuous {name} budget:9", main[True], {"k_mode": "budget"})]
+    plan += pair[::-1] if args.vine_repeat else []
     if name != "fp32":
         plan += [("static fp32 fixed", fp32[False], fixed), ("continuous fp32 fixed", fp32[True], fixed)]
-    runs = {}  # (loop, dtype, rule) -> (seconds, values, stats), in this order: neighbours compared, as A B A B
+    runs = {}  # (loop, dtype, rule) -> [(seconds, values, stats) of each run], in the plan's order
     for run_name, sampler, rule in plan:
-        runs[run_name] = timed_values(sampler, iteration, **rule)
-        seconds, _, stats = runs[run_name]
+        runs.setdefault(run_name, []).append(timed_values(sampler, iteration, **rule))
+        seconds, _, stats = runs[run_name][-1]
         print(f"real vines, {run_name}: {seconds:.1f}s, {stats['value_states']} states, {stats['vines']} vines "
               f"({stats['vines_per_state']:.2f} per state), {stats['vine_tokens']} vine tokens "
               f"({stats['vine_tokens'] / seconds:.0f} tok/s)", flush=True)
-    same = runs["static fp32 fixed"][1:] == runs["continuous fp32 fixed"][1:]
-    seconds = {run_name: run[0] for run_name, run in runs.items()}
+    same = runs["static fp32 fixed"][0][1:] == runs["continuous fp32 fixed"][0][1:]
+    seconds = {run_name: sum(run[0] for run in done) / len(done) for run_name, done in runs.items()}  # means
     ratio = lambda a, b: seconds[f"{a} {name} {b}"] / seconds[f"continuous {name} fixed"]  # a run / continuous fixed
     fp32 = seconds["static fp32 fixed"] / seconds["continuous fp32 fixed"]
     print(f"real vines: continuous vs static {ratio('static', 'fixed'):.2f}x {name}"
           + (f", {fp32:.2f}x fp32" if name != "fp32" else "") + f" (fp32 values and vine tokens identical: {same}); "
           f"adaptive:0.45 / fixed K=9 seconds: continuous {ratio('continuous', 'adaptive:0.45'):.2f}, static "
           f"{seconds[f'static {name} adaptive:0.45'] / seconds[f'static {name} fixed']:.2f}; budget:9 / fixed: "
-          f"{ratio('continuous', 'budget:9'):.2f} (continuous)", flush=True)
+          f"{ratio('continuous', 'budget:9'):.2f} (continuous)" + ("; fixed-K seconds: mean of two runs each"
+                                                                   if args.vine_repeat else ""), flush=True)
     return {"continuous_vs_static": ratio("static", "fixed"),
             "adaptive_vs_fixed_seconds": ratio("continuous", "adaptive:0.45")}

@@ -15,9 +15,11 @@ last-state vine one line). Here, as in vLLM's scheduler, rows are admitted as ot
   responses do), each is prefilled once per call, however many rounds of vines its states get; otherwise parents
   are served P at a time, in prefill order, and one whose rows come back after it left is prefilled again.
 - The decode batch: B slots of the suffix cache. A slot freed by a finished row is refilled at the next step by the
-  best queued row of a placed parent; the new row samples its first token from its prefix's last hidden state, its
-  suffix starts empty (what the slot's last row left is masked: decoding.suffix_layout), its step at 0 and its
-  positions at its prefix length + its own step. Its noise (seed, key, its own step, token), and so its tokens in
+  best queued row of a placed parent. Its first token comes from its prefix's last hidden state, drawn before it
+  is admitted: once a parent is in the pool, the first tokens of all its queued rows are drawn together, up to B
+  rows per pass of lm_head (first_tokens), not a pass per step for the few rows a step admits. Its suffix starts
+  empty (what the slot's last row left is masked: decoding.suffix_layout), its step at 0 and its positions at its
+  prefix length + its own step. Its noise (seed, key, its own step, token), and so its tokens in
   fp32, do not depend on what shares its batch or when it started. When nothing can be admitted, finished rows
   leave once they are a quarter of the batch, as in the static loop.
 - Rows of different ages share the batch: every resort_every steps they are sorted oldest first (sort_by_age), so
@@ -150,10 +152,9 @@ def show_progress(bar, *, tokens: int, rows: int):
     bar.update(rows)
 
 
-def take_tokens(sampler, schedule: Schedule, rows: list[Row], hidden: torch.Tensor, *, on_done, temperature, top_p,
-                prefix_lens, budgets, bar):
-    """Sample each row's next token from its hidden state (b, hidden), at its own step; rows that finish are
-    recorded, and the requests their on_done asks for are queued."""
+def draw(sampler, rows: list[Row], hidden: torch.Tensor, *, temperature, top_p) -> None:
+    """Sample each row's next token from its hidden state (b, hidden), at its own step, and append it (and its
+    log-prob) to the row; nothing else."""
     device, V = hidden.device, sampler.model.lm_head.weight.shape[0]
     logits = sampler.buffer("logits", (len(rows), V))  # (b, V), refilled every step
     scratch = sampler.buffer("logits_fp32", (min(len(rows), 64), V), dtype=torch.float32)  # (chunk, V) sampling
@@ -161,10 +162,16 @@ def take_tokens(sampler, schedule: Schedule, rows: list[Row], hidden: torch.Tens
                                    seed=torch.tensor([r.seed for r in rows], device=device),
                                    step=torch.tensor([len(r.ids) for r in rows], device=device),
                                    temperature=temperature, top_p=top_p, logits=logits, scratch=scratch)  # (b,), (b,)
-    finished = 0
     for row, token, logp in zip(rows, tokens.tolist(), logprobs.tolist()):
         row.ids.append(token)
         row.logprobs.append(logp)
+
+
+def settle(sampler, schedule: Schedule, rows: list[Row], *, on_done, prefix_lens, budgets, bar):
+    """Rows that have just got a token: those that finish are recorded, and the requests their on_done asks for
+    are queued."""
+    finished = 0
+    for row in rows:
         if sampler.finished(row.ids, row.budget):
             row.done, finished = True, finished + 1
             sample = cut_at_stop(row.ids, logprobs=row.logprobs, tokenizer=sampler.tokenizer,
@@ -173,6 +180,20 @@ def take_tokens(sampler, schedule: Schedule, rows: list[Row], hidden: torch.Tens
                     budgets=budgets)
     bar.total = schedule.rows
     show_progress(bar, tokens=len(rows), rows=finished)
+
+
+def first_tokens(sampler, schedule: Schedule, cache: dict, *, chunk: int, temperature, top_p):
+    """Draw the first token of every queued row whose parent is in the pool and that has none yet, from its prefix's
+    last hidden state, `chunk` rows per pass of lm_head: a few passes for all K vines of all states, rather than
+    one per decoding step that admits rows. A row's first token depends only on that state and its noise (seed,
+    key, step 0), so drawing it early changes nothing but the count of passes."""
+    todo = [entry[-1] for p in schedule.place for entry in schedule.queues[p] if not entry[-1].ids]
+    W = cache["width"]
+    for i in range(0, len(todo), chunk):
+        rows = todo[i:i + chunk]
+        hidden = torch.stack([cache["hidden"][schedule.place[r.parent], W - cache["lens"][schedule.place[r.parent]]
+                                              + r.prefix_len - 1] for r in rows])  # (b, hidden) last prefix position
+        draw(sampler, rows, hidden, temperature=temperature, top_p=top_p)
 
 
 def sort_by_age(batch: list[Row], suffix_keys: torch.Tensor, suffix_values: torch.Tensor) -> list[Row]:
@@ -219,14 +240,14 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
     # state has one round in flight at a time, so its later rounds never have more rows in flight than the first)
     cache = sampler.prefix_cache(P, W)
     suffix_keys, suffix_values = sampler.suffix_cache(B, max(budgets))  # (L, B, Hkv, D, Ws), (L, B, Hkv, Ws, D)
-    take = partial(take_tokens, sampler, schedule, on_done=on_done, temperature=temperature, top_p=top_p,
-                   prefix_lens=prefix_lens, budgets=budgets, bar=bar)
+    sample = partial(draw, sampler, temperature=temperature, top_p=top_p)
+    record = partial(settle, sampler, schedule, on_done=on_done, prefix_lens=prefix_lens, budgets=budgets, bar=bar)
     batch, layout, device = [], None, cache["keys"].device  # batch[b]: the row in slot b of the suffix cache
     started, prefill_before = time.perf_counter(), sampler.timing["prefill_s"]
     steps = 0
     while True:
-        # 1. Admit: prefill the parents of waiting rows into free places, then fill free slots; each new row samples
-        #    its first token from its prefix's last hidden state. Rows that finish at once free their slot again.
+        # 1. Admit: prefill the parents of waiting rows into free places, draw the first token of their queued rows
+        #    (first_tokens), then fill free slots. Rows that finish at their first token free their slot again.
         changed, admitted = False, True
         while admitted:
             if new_parents := to_prefill(schedule):
@@ -235,8 +256,10 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
                                 places=[place for _, place in new_parents])
                 schedule.place.update(new_parents)
                 sampler.timing["prefill_s"] += time.perf_counter() - t0
-            admitted = []
-            for b in [b for b, row in enumerate(batch) if row.done] + list(range(len(batch), B)):
+            admitted, free = [], [b for b, row in enumerate(batch) if row.done] + list(range(len(batch), B))
+            if free:
+                first_tokens(sampler, schedule, cache, chunk=B, temperature=temperature, top_p=top_p)
+            for b in free:
                 if (row := next_row(schedule)) is None:
                     break
                 row.place = schedule.place[row.parent]
@@ -244,9 +267,7 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
                 admitted.append(row)
             if admitted:
                 changed = True
-                hidden = torch.stack([cache["hidden"][r.place, W - cache["lens"][r.place] + r.prefix_len - 1]
-                                      for r in admitted])  # (b, hidden) each prefix's last position
-                take(admitted, hidden)
+                record(admitted)
         live = [b for b, row in enumerate(batch) if not row.done]
         if not live:
             if any(schedule.queues):
@@ -273,5 +294,7 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
                          suffix=suffix_layout([len(r.ids) - 1 for r in batch], device=device,
                                               block=sampler.suffix_block))
         hidden = decoder_forward(sampler.model, ids=ids, positions=positions, attend=attend)[:, -1]  # (B, hidden)
-        take([batch[b] for b in live], hidden[live] if len(live) < len(batch) else hidden)
+        live_rows = [batch[b] for b in live]
+        sample(live_rows, hidden[live] if len(live) < len(batch) else hidden)
+        record(live_rows)
     sampler.timing["decode_s"] += time.perf_counter() - started - (sampler.timing["prefill_s"] - prefill_before)

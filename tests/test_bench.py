@@ -6,16 +6,17 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("dtype, runs", [("bfloat16", 7), ("float32", 5)])
-def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys, dtype, runs):
-    """In bf16: five runs in bf16, then the fp32 pair; in fp32 the five runs hold the fp32 pair already."""
+@pytest.mark.parametrize("dtype, repeat, runs", [("bfloat16", False, 7), ("float32", True, 7)])
+def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys, dtype, repeat, runs):
+    """In bf16: five runs in bf16, then the fp32 pair; in fp32 the five runs hold the fp32 pair already, and with
+    repeat the pair runs again at the end (A B ... B A)."""
     from bench_vines import real_vines
     from model import load_tokenizer
     from shapes import random_model
     tokenizer = load_tokenizer(smol_path)
     model = random_model("tiny", tokenizer=tokenizer, device=torch.device("cpu"))
     args = SimpleNamespace(gen_batch_size=16, data_dir=None, vine_prompts=1, vine_samples=2, vine_max_new_tokens=24,
-                           vine_dtype=dtype)
+                           vine_dtype=dtype, vine_repeat=repeat)
     ratios = real_vines(model, tokenizer, args)
     assert set(ratios) == {"continuous_vs_static", "adaptive_vs_fixed_seconds"}
     assert all(v > 0 for v in ratios.values())
@@ -24,6 +25,10 @@ def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys, dtype, 
     assert out.count("real vines, ") == runs  # the timed runs, each with its states, vines and tokens
     name = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
     assert f"real vines, continuous {name} adaptive:0.45" in out and "continuous vs static" in out
+    loops = [line.split()[2] for line in out.splitlines() if line.startswith("real vines, ")]  # static / continuous
+    assert loops[:2] + loops[-2:] == ["static", "continuous"] + (["continuous", "static"] if repeat else
+                                                                  ["static", "continuous"])  # the fp32 pair last
+    assert ("mean of two runs" in out) == repeat
 
 
 def test_subnormal_counts_by_hand():
