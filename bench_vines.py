@@ -72,9 +72,9 @@ def real_vines(model, tokenizer, args) -> dict:
     same = runs["static fp32 fixed"][0][1:] == runs["continuous fp32 fixed"][0][1:]
     seconds = {run_name: sum(run[0] for run in done) / len(done) for run_name, done in runs.items()}  # means
     ratio = lambda a, b: seconds[f"{a} {name} {b}"] / seconds[f"continuous {name} fixed"]  # a run / continuous fixed
-    fp32 = seconds["static fp32 fixed"] / seconds["continuous fp32 fixed"]
+    fp32_ratio = seconds["static fp32 fixed"] / seconds["continuous fp32 fixed"]
     print(f"real vines: continuous vs static {ratio('static', 'fixed'):.2f}x {name}"
-          + (f", {fp32:.2f}x fp32" if name != "fp32" else "") + f" (fp32 values and vine tokens identical: {same}); "
+          + (f", {fp32_ratio:.2f}x fp32" if name != "fp32" else "") + f" (fp32 values and vine tokens identical: {same}); "
           f"adaptive:0.45 / fixed K=9 seconds: continuous {ratio('continuous', 'adaptive:0.45'):.2f}, static "
           f"{seconds[f'static {name} adaptive:0.45'] / seconds[f'static {name} fixed']:.2f}; budget:9 / fixed: "
           f"{ratio('continuous', 'budget:9'):.2f} (continuous)" + ("; fixed-K seconds: mean of two runs each"
