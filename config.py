@@ -83,7 +83,7 @@ class Config:
     resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
     overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run, deleting its checkpoints and metrics")
     sampler: str = arg("auto", "auto: vLLM if it imports and starts, else hf; hf: this project's own CPU/GPU decode "
-                               "loop (decoding.py), not transformers'; generate: transformers' generate; vllm",
+                               "loop (engine/decoding.py), not transformers'; generate: transformers' generate; vllm",
                        choices=["auto", "hf", "generate", "vllm"])
     vllm_gpu_memory: float = arg(0.3, "vLLM: fraction of the GPU's memory the engine takes (weights, activations, KV "
                                       "cache); it starts before the policy and reference are loaded, and refuses to "

@@ -194,20 +194,20 @@ def write_cache(path: Path, rows: list[dict]):
     os.replace(tmp, path)
 
 
-def make_prompt(question: str, *, dataset: str, tokenizer, prompt_format: str = "chat") -> str:
+def make_prompt(question: str, *, grader: str, tokenizer, prompt_format: str = "chat") -> str:
     """The prompt text. "chat": the model's chat template asking for one step per line and the final answer the way
-    the grader finds it (`dataset`: a data set's name, or a grader's: number, math); "sft": the paper's plain
+    the grader finds it (`grader`: a data set's name, or a grader's: number, math); "sft": the paper's plain
     template for its SFT checkpoints."""
     if prompt_format == "sft" or getattr(tokenizer, "chat_template", None) is None:
         return SFT_TEMPLATE.format(question=question)
-    message = f"{CHAT_INSTRUCTION[grader_of(dataset)]}\n\nProblem: {question}"
+    message = f"{CHAT_INSTRUCTION[grader_of(grader)]}\n\nProblem: {question}"
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
 
 
-def encode_prompt(question: str, *, dataset: str, tokenizer, prompt_format: str = "chat") -> list[int]:
+def encode_prompt(question: str, *, grader: str, tokenizer, prompt_format: str = "chat") -> list[int]:
     """The prompt's token ids (the template already holds the special tokens it needs)."""
-    return tokenizer(make_prompt(question, dataset=dataset, tokenizer=tokenizer, prompt_format=prompt_format),
+    return tokenizer(make_prompt(question, grader=grader, tokenizer=tokenizer, prompt_format=prompt_format),
                      add_special_tokens=False).input_ids
 
 

@@ -225,10 +225,10 @@ def is_number(text: str) -> bool:
     return _NUMBER.fullmatch(text.strip()) is not None
 
 
-def grade(response: str, answer: str, *, dataset: str, truncated: bool = False) -> float:
-    """Grade with the rule of `dataset` (gsm8k, arith, math) or of a grader (--grader number, math): "math" uses
+def grade(response: str, answer: str, *, grader: str, truncated: bool = False) -> float:
+    """Grade with the rule of `grader`: a data set's (gsm8k, arith, math) or a grader's (--grader number, math); "math" uses
     grade_math; everything else uses grade_gsm8k."""
-    fn = grade_math if grader_of(dataset) == "math" else grade_gsm8k
+    fn = grade_math if grader_of(grader) == "math" else grade_gsm8k
     return fn(response, answer, truncated=truncated)
 
 

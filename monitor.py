@@ -156,11 +156,11 @@ def sample_markdown(*, text_steps: list[str], step_advantages: list[float], rewa
     return "\n".join(lines)
 
 
-def response_steps(*, token_ids: list[int], text: str, advantages: torch.Tensor, tokenizer, dataset: str,
+def response_steps(*, token_ids: list[int], text: str, advantages: torch.Tensor, tokenizer, task: str,
                    split: str) -> tuple[list[str], list[float]]:
     """A response cut into its reasoning steps (the dataset's rule, as for the vines): each step's text and the mean
     advantage of its tokens (for VinePPO every token of a step has the same one)."""
-    starts = step_token_starts(token_ids, text, tokenizer=tokenizer, dataset=dataset, split=split)
+    starts = step_token_starts(token_ids, text, tokenizer=tokenizer, task=task, split=split)
     spans = [(a, b) for a, b in zip(starts, list(starts[1:]) + [len(token_ids)]) if b > a]
     texts = [tokenizer.decode(token_ids[a:b], skip_special_tokens=True) for a, b in spans]
     return texts, [advantages[a:b].float().mean().item() for a, b in spans]

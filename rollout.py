@@ -5,7 +5,7 @@
     sampler.sleep()        # before each PPO update: give the update the sampler's memory (vLLM on CUDA; else no-op)
     sampler.sync(policy)  # after each PPO update: make the sampler use the new weights
 
-- HFSampler (hf_sampler.py; the CPU default): our own decode loop (decoding.py) over the transformers modules of a
+- HFSampler (engine/sampler.py; the CPU default): our own decode loop (engine/decoding.py) over the transformers modules of a
   Llama-family model, with preallocated KV caches and shared prefixes.
 - GenerateSampler: transformers `generate`; the fallback for other architectures and the benchmark's baseline.
 - VLLMSampler: vLLM in-process with prefix caching (GPU users).
@@ -32,7 +32,7 @@ from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import dist
-from hf_sampler import HFSampler
+from engine import HFSampler
 from sampling import Sample, cut_at_stop, nucleus_log_mass, row_seed, sampler_model, sync_weights
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # decoders our loop runs: pre-norm, RoPE, GQA, no q/k norm
@@ -64,7 +64,7 @@ class LogprobRecorder(LogitsProcessor):
 
 class GenerateSampler:
     """transformers `generate`, batched and left-padded: the fallback for non-Llama-family models, and the baseline
-    that bench.py measures ours against."""
+    that bench/sampler.py measures ours against."""
 
     def __init__(self, model, tokenizer, *, dtype: torch.dtype | None = None, stop_strings=(), batch_size: int = 64):
         self.model, self.tokenizer, self.batch_size = sampler_model(model, dtype), tokenizer, batch_size

@@ -1,4 +1,4 @@
-"""What every sampler shares (rollout.py's backends and hf_sampler.py build on it; it imports neither):
+"""What every sampler shares (rollout.py's backends and engine/sampler.py build on it; it imports neither):
 
 - Sample, and cut_at_stop, which trims raw generated ids at a stop token / stop string / the length limit;
 - sampler_model / sync_weights: the sampler's own copy of the weights in the compute dtype, refreshed after updates;

@@ -32,7 +32,7 @@ from checkpoint import GracefulStop, load_trainer_state, prepare_out_dir, repair
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
 from data import dataset_problem, encode_prompt, load_split, task_of
 from grader import grader_of, is_number
-from hf_sampler import HFSampler
+from engine import HFSampler
 from model import DEFAULT_MODEL, Scorer, load_model, load_tokenizer, model_problem, pick_device, pick_dtype
 from ppo import pad_episodes
 from runlog import RunLog, due, stop_after_interrupt
@@ -152,7 +152,7 @@ def encode_examples(examples: list[dict], *, tokenizer, cfg: SFTConfig) -> tuple
     for e in examples:
         if not e["solution"].strip():
             continue
-        prompt = encode_prompt(e["question"], dataset=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+        prompt = encode_prompt(e["question"], grader=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
         target = sft_target(e, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
         room = cfg.max_length - len(prompt)
         if room < 1:
@@ -281,7 +281,7 @@ def main(cfg: SFTConfig):
     sampler = HFSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings, batch_size=cfg.gen_batch_size)
     scorer = dist.wrap(Scorer(policy, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun; before AdamW
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=True)  # one kernel over all parameters: bench_adamw.py
+                                  fused=True)  # one kernel over all parameters: bench/adamw.py
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, partial(lr_factor, warmup=math.ceil(cfg.warmup_ratio * total), total=total))
     start, train_seconds, rng = 0, 0.0, random.Random(cfg.seed)  # rng: unused, kept for checkpoint.py's format

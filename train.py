@@ -50,11 +50,11 @@ def evaluate(sampler, tokenizer, examples, cfg: Config, *, seed: int, keep: list
     rank takes every world-th problem, and both are over all. `keep`, if given, gets this rank's (example, sample,
     correct) triples, for a closer look (sft.py: where the first wrong line falls)."""
     examples = examples[dist.rank()::dist.world()]
-    prompts = [encode_prompt(e["question"], dataset=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+    prompts = [encode_prompt(e["question"], grader=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
                for e in examples]
     samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
                              max_new_tokens=cfg.max_new_tokens, seed=row_seed(seed, -1, dist.rank())) if prompts else []
-    graded = [[(e, s, grade(s.text, e["answer"], dataset=cfg.grader, truncated=not s.finished)) for s in group]
+    graded = [[(e, s, grade(s.text, e["answer"], grader=cfg.grader, truncated=not s.finished)) for s in group]
               for e, group in zip(examples, samples)]
     if keep is not None:
         keep.extend(triple for problem in graded for triple in problem)
@@ -105,7 +105,7 @@ def main(cfg: Config):
     param_groups = [{"params": policy.parameters(), "lr": cfg.lr}]
     if value_head is not None:
         param_groups.append({"params": value_head.parameters(), "lr": cfg.value_lr})
-    optimizer = torch.optim.AdamW(param_groups, weight_decay=cfg.weight_decay, fused=True)  # one kernel: bench_adamw.py
+    optimizer = torch.optim.AdamW(param_groups, weight_decay=cfg.weight_decay, fused=True)  # one kernel: bench/adamw.py
     total_steps = cfg.iterations * cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt /
                                                           cfg.minibatch_size)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -147,7 +147,7 @@ def main(cfg: Config):
 
             # 1. Sample prompts (with replacement, as in the official implementation); each rank takes its share
             examples = rng.choices(train_set, k=cfg.prompts_per_iter)[rank::world]
-            prompt_ids = [encode_prompt(e["question"], dataset=cfg.grader, tokenizer=tokenizer,
+            prompt_ids = [encode_prompt(e["question"], grader=cfg.grader, tokenizer=tokenizer,
                                         prompt_format=cfg.prompt_format) for e in examples]
 
             # 2. Rollouts: samples_per_prompt responses per problem from the current policy
@@ -162,7 +162,7 @@ def main(cfg: Config):
             pause_point("rollout", it + 1)
 
             # 3. Grade: 0/1 reward per response (0 if it hit the length limit)
-            rewards = [grade(s.text, a, dataset=cfg.grader, truncated=not s.finished) for s, a in zip(samples, answers)]
+            rewards = [grade(s.text, a, grader=cfg.grader, truncated=not s.finished) for s, a in zip(samples, answers)]
             input_ids, attention_mask, response_mask, P = pad_episodes(prompts, responses, pad_id=tokenizer.pad_token_id)
             batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
             micro = micro_batches(len(responses), size=cfg.micro_batch_size)  # the same groups for every pass
@@ -171,11 +171,11 @@ def main(cfg: Config):
             meter.start()
             value_stats, old_logprobs = {}, None
             if cfg.estimator == "vine":
-                starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, dataset=cfg.task,
+                starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task=cfg.task,
                                             split=cfg.step_split) for s in samples]
                 values, value_stats = estimate_values(
                     sampler=sampler, prompts=prompts, responses=responses, step_starts=starts, rewards=rewards,
-                    answers=answers, dataset=cfg.grader, K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
+                    answers=answers, grader=cfg.grader, K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p,
                     max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None,
                     seed=row_seed(seed, 1), k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci)
                 value_stats["steps_per_response"] = dist.mean(list(map(len, starts)))
@@ -264,7 +264,7 @@ def main(cfg: Config):
                 for i in (0, len(samples) - 1):
                     steps, step_advantages = response_steps(
                         token_ids=responses[i], text=samples[i].text, advantages=advantages[i], tokenizer=tokenizer,
-                        dataset=cfg.task, split=cfg.step_split)
+                        task=cfg.task, split=cfg.step_split)
                     runlog.text(f"responses/{i}", sample_markdown(text_steps=steps, step_advantages=step_advantages,
                                                                   reward=rewards[i], answer=answers[i]), done)
             pause_point("metrics", done)

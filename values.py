@@ -36,9 +36,9 @@ PROSE_CUTS, MATH_CUTS = (", ", " and ", ": ", " to "), (",$", "=", "\\equiv", "+
 MIN_STEP_CHARS, MAX_STEP_CHARS = 20, 100
 
 
-def split_steps(text: str, *, dataset: str) -> list[str]:
+def split_steps(text: str, *, task: str) -> list[str]:
     """Reasoning steps of a response; "".join(steps) == text and no step is blank (unless the text is)."""
-    return split_math(text) if dataset == "math" else split_lines(text)
+    return split_math(text) if task == "math" else split_lines(text)
 
 
 def split_lines(text: str) -> list[str]:
@@ -121,13 +121,13 @@ def token_char_starts(token_ids: list[int], *, tokenizer) -> list[int]:
     return [len(p) for p in prefixes]
 
 
-def step_token_starts(token_ids: list[int], text: str, *, tokenizer, dataset: str, split: str = "auto") -> list[int]:
+def step_token_starts(token_ids: list[int], text: str, *, tokenizer, task: str, split: str = "auto") -> list[int]:
     """Index of the first token of each step; always starts with 0. split: "auto" (the dataset's text rule) or
     "tokens:N" (every N tokens, the generic fallback)."""
     if split.startswith("tokens:"):
         every = int(split.split(":")[1])
         return list(range(0, max(len(token_ids), 1), every))
-    steps = split_steps(text, dataset=dataset)
+    steps = split_steps(text, task=task)
     char_starts = token_char_starts(token_ids, tokenizer=tokenizer)
     starts, boundary = [0], 0
     for step in steps[:-1]:
@@ -149,7 +149,7 @@ def token_step_index(n_tokens: int, starts: list[int]) -> list[int]:
 
 
 def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], prompt_lens: list[int],
-                answers: list[str], dataset: str, K: int, temperature: float, top_p: float, max_new_tokens: int,
+                answers: list[str], grader: str, K: int, temperature: float, top_p: float, max_new_tokens: int,
                 seed: int = 0) -> tuple[list[list[float]], int]:
     """The 0/1 rewards of K continuations of every state sequences[i][:prefix_lens[i]] (the first prompt_lens[i]
     tokens being the prompt), and the number of tokens sampled. Each continuation is graded as a whole response,
@@ -157,19 +157,19 @@ def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], 
     budgets = [max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)]
     vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
                                     max_new_tokens=budgets, seed=seed) if sequences else []
-    scores = [grade_vines(samples, sequence=seq, prefix_len=L, prompt_len=p, answer=answer, dataset=dataset,
+    scores = [grade_vines(samples, sequence=seq, prefix_len=L, prompt_len=p, answer=answer, grader=grader,
                           tokenizer=sampler.tokenizer)
               for seq, L, p, answer, samples in zip(sequences, prefix_lens, prompt_lens, answers, vines)]
     return scores, sum(len(v.token_ids) for samples in vines for v in samples)
 
 
-def grade_vines(samples, *, sequence, prefix_len: int, prompt_len: int, answer: str, dataset: str,
+def grade_vines(samples, *, sequence, prefix_len: int, prompt_len: int, answer: str, grader: str,
                 tokenizer) -> list[float]:
     """The 0/1 rewards of a state's vines, each graded as a whole response (the state's response tokens + the vine);
     a vine cut by the length limit scores 0."""
     texts = tokenizer.batch_decode([sequence[prompt_len:prefix_len] + v.token_ids for v in samples],
                                    skip_special_tokens=True)
-    return [grade(text, answer, dataset=dataset, truncated=not v.finished) for text, v in zip(texts, samples)]
+    return [grade(text, answer, grader=grader, truncated=not v.finished) for text, v in zip(texts, samples)]
 
 
 def wilson_width(successes: float, n: int, *, z: float = 1.96) -> float:
@@ -217,7 +217,7 @@ def round_sizes(rewards: list[list[float]], *, k_mode: str, K: int, k_round: int
 PER_STATE_RULES = ("fixed", "adaptive", "official")  # round_sizes decides each of these from the state's own rewards
 
 
-def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, dataset: str, K: int, k_mode: str,
+def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, grader: str, K: int, k_mode: str,
                  k_round: int, k_max: int, k_ci: float, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int = 0) -> tuple[list[list[float]], int]:
     """The rewards of every state's vines, sampled in rounds (round_sizes; `fixed` is one round of K), and the number
@@ -226,13 +226,13 @@ def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, datas
     rule = dict(k_mode=k_mode, K=K, k_round=k_round, k_max=k_max, k_ci=k_ci)
     if not hasattr(sampler, "sample_requests"):
         return vine_rewards_in_rounds(sampler=sampler, sequences=sequences, prefix_lens=prefix_lens,
-                                      prompt_lens=prompt_lens, answers=answers, dataset=dataset, rule=rule,
+                                      prompt_lens=prompt_lens, answers=answers, grader=grader, rule=rule,
                                       temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     progress = {"rewards": [[] for _ in sequences], "tokens": 0, "open": 0}  # open: requests of a budget round
     first = round_requests(progress, round_=0, rule=rule, seed=seed)
     if first:
         on_done = partial(grade_and_continue, progress=progress, rule=rule, seed=seed, sequences=sequences,
-                          prefix_lens=prefix_lens, prompt_lens=prompt_lens, answers=answers, dataset=dataset,
+                          prefix_lens=prefix_lens, prompt_lens=prompt_lens, answers=answers, grader=grader,
                           tokenizer=sampler.tokenizer)
         sampler.sample_requests(sequences, prefix_lens, first, on_done=on_done, temperature=temperature, top_p=top_p,
                                 max_new_tokens=[max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)])
@@ -248,13 +248,13 @@ def round_requests(progress: dict, *, round_: int, rule: dict, seed: int) -> lis
 
 
 def grade_and_continue(request: Request, samples, *, progress: dict, rule: dict, seed: int, sequences, prefix_lens,
-                       prompt_lens, answers, dataset: str, tokenizer) -> list[Request]:
+                       prompt_lens, answers, grader: str, tokenizer) -> list[Request]:
     """on_done of vine_rewards' requests: grade one state's round of vines, then ask for what comes next: that
     state's next round at once (per-state rules), or, once the last state of a budget round is graded, the next
     round of every state that round_sizes picks."""
     i = request.state
     progress["rewards"][i] += grade_vines(samples, sequence=sequences[i], prefix_len=prefix_lens[i],
-                                          prompt_len=prompt_lens[i], answer=answers[i], dataset=dataset,
+                                          prompt_len=prompt_lens[i], answer=answers[i], grader=grader,
                                           tokenizer=tokenizer)
     progress["tokens"] += sum(len(v.token_ids) for v in samples)
     progress["open"] -= 1
@@ -264,7 +264,7 @@ def grade_and_continue(request: Request, samples, *, progress: dict, rule: dict,
     return [] if progress["open"] else round_requests(progress, round_=request.tag + 1, rule=rule, seed=seed)
 
 
-def vine_rewards_in_rounds(*, sampler, sequences, prefix_lens, prompt_lens, answers, dataset: str, rule: dict,
+def vine_rewards_in_rounds(*, sampler, sequences, prefix_lens, prompt_lens, answers, grader: str, rule: dict,
                            temperature: float, top_p: float, max_new_tokens: int, seed: int):
     """vine_rewards for samplers without sample_requests (transformers' generate; vLLM, which batches continuously
     itself): every round waits for the last vine of the one before; one sampler call per vine count, of seed
@@ -279,7 +279,7 @@ def vine_rewards_in_rounds(*, sampler, sequences, prefix_lens, prompt_lens, answ
             idx = [i for i, size in enumerate(sizes) if size == n]
             scores, t = mc_rollouts(sampler=sampler, sequences=[sequences[i] for i in idx],
                                     prefix_lens=[prefix_lens[i] for i in idx], prompt_lens=[prompt_lens[i] for i in idx],
-                                    answers=[answers[i] for i in idx], dataset=dataset, K=n, temperature=temperature,
+                                    answers=[answers[i] for i in idx], grader=grader, K=n, temperature=temperature,
                                     top_p=top_p, max_new_tokens=max_new_tokens,
                                     seed=row_seed(seed, round_, n))  # every round's rows their own noise
             for i, sc in zip(idx, scores):
@@ -300,7 +300,7 @@ def split_states(costs: list[float], *, parts: int) -> list[list[int]]:
 
 
 def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]],
-                    rewards: list[float], answers: list[str], dataset: str, K: int, temperature: float, top_p: float,
+                    rewards: list[float], answers: list[str], grader: str, K: int, temperature: float, top_p: float,
                     max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0, k_mode: str = "fixed",
                     k_round: int = 3, k_max: int = 27, k_ci: float = 0.5):
     """MC value of every state of every response.
@@ -327,7 +327,7 @@ def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[i
     mine = [keys[i] for i in split_states([pooled[k][4] for k in keys], parts=dist.world())[dist.rank()]]
     scores, vine_tokens = vine_rewards(sampler=sampler, sequences=[pooled[k][0] for k in mine],
                                        prefix_lens=[pooled[k][1] for k in mine], prompt_lens=[pooled[k][2] for k in mine],
-                                       answers=[pooled[k][3] for k in mine], dataset=dataset, K=K, k_mode=k_mode,
+                                       answers=[pooled[k][3] for k in mine], grader=grader, K=K, k_mode=k_mode,
                                        k_round=k_round, k_max=k_max, k_ci=k_ci, temperature=temperature, top_p=top_p,
                                        max_new_tokens=max_new_tokens, seed=seed)
     value = {}

@@ -7,14 +7,14 @@
 #
 # Needs beside the tracked files: .gpu_check/ (carry it): the SmolLM2 tokenizer and config (no weights) and pure-Python
 # fallbacks for pytest and math-verify. torch and transformers must be installed; nothing is installed, nothing is
-# downloaded (HF_HUB_OFFLINE=1), no model weights are needed (random weights of the real shapes: shapes.py).
+# downloaded (HF_HUB_OFFLINE=1), no model weights are needed (random weights of the real shapes: bench/shapes.py).
 # Parts, each under its own timeout so that one hang cannot eat the budget (550 s in all; expected well under 8 min
 # on an H200, not yet measured):
 #   0. environment: GPU, versions, the imports train.py needs (what is missing is reported, and taken from
 #      .gpu_check/site/ where a fallback is there)                                       60 s
 #   1. tests/test_cuda.py: sampler vs generate, sampler vs trainer log-probs, train.py + checkpoint + --resume,
 #      torchrun --nproc_per_node=1 (NCCL) with DDP and with --fsdp                    330 s
-#   2. bench.py --device cuda on the 135m and the ~1.1B (1b) random-weight shapes: ours vs generate at batch 64 and
+#   2. bench/sampler.py --device cuda on the 135m and the ~1.1B (1b) random-weight shapes: ours vs generate at batch 64 and
 #      256, the vine pattern, tokens/s and peak memory                                 80 s each
 # Writes under $OUT (default ./gpu_check_out), 6 files: gpu_check.log (everything below), pytest.log,
 # cuda_check.json (the tests' measurements), bench_<shape>.json (2), speed_table.md. Exit status: the number of parts
@@ -78,7 +78,7 @@ main() {
   local shape
   for shape in $SHAPES; do
     rm -f "$OUT/bench_$shape.json"
-    part "bench.py $shape" 80 "$PY" bench.py --device "$DEVICE" --shape "$shape" --tokenizer "$TOKENIZER" \
+    part "bench/sampler.py $shape" 80 "$PY" -m bench.sampler --device "$DEVICE" --shape "$shape" --tokenizer "$TOKENIZER" \
       --dataset arith $BENCH --json "$OUT/bench_$shape.json" || failed=$((failed + 1))
   done
   "$PY" -c "import glob, json, sys, bench; files = sorted(glob.glob(sys.argv[1] + '/bench_*.json')); \

@@ -1,7 +1,7 @@
 """Replay recorded vines through the static loop's and the continuous loop's schedules, with a decode step costing
 F + c x (rows in the batch): how much can continuous batching win on a machine with that cost line?
 
-    python scripts/replay_schedule.py results/continuous-batching/vine-rows-amd-fp32.json --fixed 0.2 --per-row 0.00425
+    python -m scripts.replay_schedule results/continuous-batching/vine-rows-amd-fp32.json --fixed 0.2 --per-row 0.00425
 
 The rows file holds each vine's parent (distinct sequence), budget, prefix length and the tokens it sampled (n): a
 row of n tokens takes n - 1 decode steps (its first token comes from its prefix's last hidden state). Schedules:

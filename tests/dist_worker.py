@@ -138,7 +138,7 @@ def split_case() -> dict:
     sampler = RecordingSampler()
     values, stats = estimate_values(
         sampler=sampler, prompts=[prompts[i] for i in mine], responses=[responses[i] for i in mine],
-        step_starts=[starts[i] for i in mine], rewards=[1.0] * len(mine), answers=["1"] * len(mine), dataset="gsm8k",
+        step_starts=[starts[i] for i in mine], rewards=[1.0] * len(mine), answers=["1"] * len(mine), grader="gsm8k",
         K=3, temperature=1.0, top_p=1.0, max_new_tokens=64)
     everyone = dist.all_gather({"states": sampler.states, "values": dict(zip(mine, values)),
                                 "cost": sampler.cost})

@@ -34,7 +34,7 @@ def recompute(question: str) -> int:
 def test_answers_match_a_recomputation(ops, max_number):
     for e in make_arith(400, seed=3, ops=ops, max_number=max_number):
         assert int(e["answer"]) == recompute(e["question"]) >= 0
-        steps = split_steps(e["solution"], dataset="arith")
+        steps = split_steps(e["solution"], task="arith")
         assert len(steps) == ops and grade_gsm8k(e["solution"], e["answer"]) == 1.0
         for line in e["solution"].splitlines()[:-1]:  # "a op b = c", each line worked correctly
             a, op, b, _, c = line.split()

@@ -1,4 +1,4 @@
-"""bench.py's real-vines section (bench_vines.py) on a tiny random-weight model: it runs end to end on GSM8K train
+"""bench/sampler.py's real-vines section (bench/vines.py) on a tiny random-weight model: it runs end to end on GSM8K train
 rows, and the static and continuous loops give the same fp32 values and vine tokens (the identity its line reports)."""
 from types import SimpleNamespace
 
@@ -10,9 +10,9 @@ import torch
 def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys, dtype, repeat, runs):
     """In bf16: five runs in bf16, then the fp32 pair; in fp32 the five runs hold the fp32 pair already, and with
     repeat the pair runs again at the end (A B ... B A)."""
-    from bench_vines import real_vines
+    from bench.vines import real_vines
     from model import load_tokenizer
-    from shapes import random_model
+    from bench.shapes import random_model
     tokenizer = load_tokenizer(smol_path)
     model = random_model("tiny", tokenizer=tokenizer, device=torch.device("cpu"))
     args = SimpleNamespace(gen_batch_size=16, data_dir=None, vine_prompts=1, vine_samples=2, vine_max_new_tokens=24,
@@ -32,7 +32,7 @@ def test_real_vines_runs_and_the_two_fp32_loops_agree(smol_path, capsys, dtype, 
 
 
 def test_subnormal_counts_by_hand():
-    from bench_denormals import subnormal_counts
+    from bench.denormals import subnormal_counts
     tiny = torch.finfo(torch.float32).tiny
     state = {"state": {0: {"exp_avg": torch.tensor([1.0, 0.0]), "exp_avg_sq": torch.tensor([tiny / 4, tiny, 0.0])},
                        1: {"exp_avg": torch.tensor([-tiny / 2]), "exp_avg_sq": torch.tensor([1e-45, 2.0])}}}

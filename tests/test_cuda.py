@@ -1,6 +1,6 @@
 """The CUDA path, on a GPU (skipped without one): our sampler against transformers `generate` and against the trainer's
 log-probs, train.py with vines on the device, its checkpoint and --resume, and torchrun with one process (NCCL on a
-GPU) under DDP and FSDP2. On a random-weight model of SmolLM2-135M's shape (shapes.py), so only a tokenizer is needed.
+GPU) under DDP and FSDP2. On a random-weight model of SmolLM2-135M's shape (bench/shapes.py), so only a tokenizer is needed.
 
     python -m pytest -q -s tests/test_cuda.py                           # where torch sees CUDA
     VINEPPO_TEST_DEVICE=cpu python -m pytest -q -s tests/test_cuda.py   # the same code on the CPU, tiny shape
@@ -83,20 +83,20 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def policy(tokenizer):
-    from shapes import random_model
+    from bench.shapes import random_model
     return random_model(SHAPE, tokenizer=tokenizer, device=torch.device(DEVICE))
 
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     from data import encode_prompt, load_split
-    return [encode_prompt(e["question"], dataset="arith", tokenizer=tokenizer)
+    return [encode_prompt(e["question"], grader="arith", tokenizer=tokenizer)
             for e in load_split("arith", "test", data_dir=None)[:8]]
 
 
 def test_the_135m_shape_is_smollm2s(tokenizer):
     """shapes.SHAPES['135m'] against the real config.json beside the tokenizer (the cached model's, copied)."""
-    from shapes import config_differences
+    from bench.shapes import config_differences
     config = Path(tokenizer.name_or_path) / "config.json"
     assert config.exists(), f"{config}: missing (scripts/prepare_gpu_check.sh copies it beside the tokenizer)"
     assert config_differences("135m", json.loads(config.read_text())) == []
@@ -110,7 +110,7 @@ def test_greedy_tokens_match_generate(policy, tokenizer, prompts, dtype):
     tokens (measured on the CPU, tiny shape), so bf16 is judged token by token instead: from each of generate's
     prefixes (prompt + its first t tokens, all 64 continued at once through sample_prefixes, the vines' path), our
     next greedy token is generate's t-th in at least 80% of the positions (fp32: 98%)."""
-    from hf_sampler import HFSampler
+    from engine import HFSampler
     sampler = HFSampler(policy, tokenizer, dtype=dtype)
     sampler.stop_ids = set()  # exactly NEW_TOKENS tokens, as `generate` with min_new_tokens
     ours = [g[0].token_ids for g in sampler.sample(prompts, n=1, temperature=0.0, top_p=1.0,
@@ -134,7 +134,7 @@ def test_greedy_tokens_match_generate(policy, tokenizer, prompts, dtype):
 def test_vines_continue_their_prefixes(policy, tokenizer, prompts, dtype):
     """sample_prefixes (the vines: several prefixes of one sequence, n rows each, attending to one shared cache)
     continues each prefix greedily as `generate` does from that prefix alone."""
-    from hf_sampler import HFSampler
+    from engine import HFSampler
     sampler = HFSampler(policy, tokenizer, dtype=dtype)
     sampler.stop_ids = set()
     sequences = [p + t for p, t in zip(prompts[:4], greedy_generate(sampler.model, prompts[:4], 24))]
@@ -155,7 +155,7 @@ def test_sampler_logprobs_match_the_trainer(policy, tokenizer, prompts, dtype):
     real model; random weights move more), so the bound is relative: the sampler's gap to the trainer is at most
     2.5x the trainer's own bf16-vs-fp32 gap on the same tokens (measured 1.25-1.6x on the CPU). A wrong position,
     temperature or cache row is off by nats."""
-    from hf_sampler import HFSampler
+    from engine import HFSampler
     from ppo import pad_rows, sampler_mismatch
     sampler = HFSampler(policy, tokenizer, dtype=dtype)
     samples = [s for g in sampler.sample(prompts, n=2, temperature=0.6, top_p=0.9, max_new_tokens=NEW_TOKENS, seed=3)
@@ -183,7 +183,7 @@ def test_sampler_logprobs_match_the_trainer(policy, tokenizer, prompts, dtype):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):
     """A random-weight model folder of SHAPE (fp32 safetensors + tokenizer) for `train.py --model DIR`."""
-    from shapes import write_model_folder
+    from bench.shapes import write_model_folder
     return write_model_folder(SHAPE, tokenizer=tokenizer, out_dir=tmp_path_factory.mktemp("model"))
 
 

@@ -184,11 +184,11 @@ class PlainTokenizer:  # a tokenizer without a chat template, like the paper's S
 
 def test_prompts(smol):
     _, tokenizer = smol
-    chat = make_prompt("What is 2+3?", dataset="gsm8k", tokenizer=tokenizer)
+    chat = make_prompt("What is 2+3?", grader="gsm8k", tokenizer=tokenizer)
     assert "What is 2+3?" in chat and "####" in chat and chat.endswith("<|im_start|>assistant\n")
-    assert "\\boxed" in make_prompt("x", dataset="math", tokenizer=tokenizer)
-    assert make_prompt("x", dataset="number", tokenizer=tokenizer) == make_prompt("x", dataset="arith",
+    assert "\\boxed" in make_prompt("x", grader="math", tokenizer=tokenizer)
+    assert make_prompt("x", grader="number", tokenizer=tokenizer) == make_prompt("x", grader="arith",
                                                                                   tokenizer=tokenizer)  # --grader
-    sft = make_prompt("What is 2+3?", dataset="math", tokenizer=tokenizer, prompt_format="sft")
+    sft = make_prompt("What is 2+3?", grader="math", tokenizer=tokenizer, prompt_format="sft")
     assert sft == "[MATH_TASK] Problem:\nWhat is 2+3?\n\nSolution:" == SFT_TEMPLATE.format(question="What is 2+3?")
-    assert make_prompt("q", dataset="gsm8k", tokenizer=PlainTokenizer()) == SFT_TEMPLATE.format(question="q")
+    assert make_prompt("q", grader="gsm8k", tokenizer=PlainTokenizer()) == SFT_TEMPLATE.format(question="q")

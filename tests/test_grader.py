@@ -42,7 +42,7 @@ def test_truncated_scores_zero_whatever_it_contains():
     assert grade_gsm8k("#### 18", "18") == 1.0
     assert grade_gsm8k("#### 18", "18", truncated=True) == 0.0
     assert grade_math("$\\boxed{3}$", "3", truncated=True) == 0.0
-    assert grade("#### 18", "18", dataset="gsm8k", truncated=True) == 0.0
+    assert grade("#### 18", "18", grader="gsm8k", truncated=True) == 0.0
 
 
 @pytest.mark.parametrize("response, answer, expected", [

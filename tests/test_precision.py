@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import model as model_mod
-from decoding import decode_attention, prefix_layout, suffix_layout
+from engine.decoding import decode_attention, prefix_layout, suffix_layout
 from model import Scorer
 from ppo import (batch_logprobs, micro_batches, pad_episodes, pad_rows, ppo_loss, ppo_update, sampler_mismatch,
                  tis_weights)
-from hf_sampler import HFSampler
+from engine import HFSampler
 from rollout import GenerateSampler
 
 

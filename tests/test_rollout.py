@@ -5,9 +5,9 @@ from functools import partial
 import pytest
 import torch
 
-from continuous import Row, sort_by_age
-from decoding import gumbel, sample_tokens
-from hf_sampler import HFSampler
+from engine.continuous import Row, sort_by_age
+from engine.decoding import gumbel, sample_tokens
+from engine import HFSampler
 from rollout import GenerateSampler, Sample, cut_at_stop
 from sampling import Request
 

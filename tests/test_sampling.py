@@ -109,7 +109,7 @@ def test_every_row_of_an_iteration_draws_its_own_noise():
         or vine_calls[-1][2]
     estimate_values(sampler=sampler, prompts=[p for p in prompts for _ in range(4)], responses=responses,
                     step_starts=starts, rewards=[0.0] * len(responses), answers=["1"] * len(responses),
-                    dataset="arith", K=9, temperature=0.6, top_p=0.9, max_new_tokens=12, seed=row_seed(seed, 1),
+                    grader="arith", K=9, temperature=0.6, top_p=0.9, max_new_tokens=12, seed=row_seed(seed, 1),
                     k_mode="adaptive", k_round=3, k_max=9, k_ci=0.1)
     sampler.sample(prompts[:2], n=4, temperature=0.35, top_p=0.9, max_new_tokens=12, seed=row_seed(0, -1, 0))
     seeds = child_seeds(RecordedParams.made)

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
-from diagnose import expected_mc_error, ranking_accuracy, sibling_states
-from plot import plot_runs, read_metrics
-from visualize import colour, render_html
+from scripts.diagnose import expected_mc_error, ranking_accuracy, sibling_states
+from scripts.plot import plot_runs, read_metrics
+from scripts.visualize import colour, render_html
 
 
 def test_expected_mc_error():
@@ -103,7 +103,7 @@ def test_plot_runs(tmp_path):
 
 
 def test_rules_are_simulated_on_one_pool_in_order():
-    from diagnose import rule_summary, simulate_rule
+    from scripts.diagnose import rule_summary, simulate_rule
     pool = [[0.0] * 45, [1.0, 0.0] * 22 + [1.0], [1.0] * 45, [0.0, 0.0, 1.0] * 15]
     assert simulate_rule(pool, k_mode="fixed", K=9) == [p[:9] for p in pool]
     adaptive = simulate_rule(pool, k_mode="adaptive", K=9, k_ci=0.6)
@@ -126,7 +126,7 @@ def grid_run(evals: list[tuple[float, float]], kl: float = 1e-3) -> list[dict]:
 
 
 def test_grid_statistics_by_hand():
-    from plot import area, held, mean_se, summarize_grid, summary_markdown, time_to
+    from scripts.plot import area, held, mean_se, summarize_grid, summary_markdown, time_to
     curve = [(0.0, 0.2), (4.0, 0.4), (8.0, 0.1)]
     assert [held(curve, t) for t in (0, 3.9, 4, 7, 8, 20)] == [0.2, 0.2, 0.4, 0.4, 0.1, 0.1]
     assert area(curve, minutes=10) == pytest.approx((0.2 * 4 + 0.4 * 4 + 0.1 * 2) / 10)
@@ -151,7 +151,7 @@ def test_grid_statistics_by_hand():
 
 
 def test_bands_end_at_each_runs_final_evaluation():
-    from plot import bands
+    from scripts.plot import bands
     # a 10-minute budget; the runs' last iterations end past it (10.2 and 10.4 min), as real runs do
     runs = {"vine": {0: grid_run([(0, 0.2), (9.8, 0.6), (10.2, 0.4)]), 1: grid_run([(0, 0.2), (5, 0.3), (10.4, 0.2)])}}
     band = bands(runs, budget=600, points=53)["vine"]
@@ -161,7 +161,7 @@ def test_bands_end_at_each_runs_final_evaluation():
 
 
 def test_bands_on_iterations_and_the_reward_view(tmp_path):
-    from plot import bands, plot_bands, reward_curve
+    from scripts.plot import bands, plot_bands, reward_curve
     runs = {"vine": {0: grid_run([(0, 0.2), (1, 0.6), (2, 0.4)]), 1: grid_run([(0, 0.2), (1, 0.3)])}}
     band = bands(runs, budget=600, points=3, x="iteration")["vine"]  # the shortest seed ends at iteration 1
     assert [t for t, _, _ in band] == [0.0, 0.5, 1.0] and band[-1][1:] == pytest.approx((0.45, 0.15))
@@ -172,7 +172,7 @@ def test_bands_on_iterations_and_the_reward_view(tmp_path):
 
 
 def test_replicate_summarize_one_run_by_hand():
-    from replicate import summarize
+    from scripts.replicate import summarize
     records = [{"iteration": 0, "eval_accuracy": 0.5, "eval_se": 0.02, "seconds_eval": 30.0},
                {"iteration": 1, "train_seconds": 40.0, "seconds": 40.0, "reward_mean": 0.2},
                {"iteration": 2, "train_seconds": 80.0, "seconds": 70.0, "reward_mean": 0.6, "eval_accuracy": 0.4,
@@ -185,7 +185,7 @@ def test_replicate_summarize_one_run_by_hand():
 
 
 def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
-    from replicate import run_state
+    from scripts.replicate import run_state
     run_dir = tmp_path / "vine-s0"
     assert run_state(run_dir, budget=600) == "fresh"  # nothing there
     run_dir.mkdir()
@@ -201,7 +201,7 @@ def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
 
 
 def test_replicate_pipeline_summary_and_blocks_keyed_by_the_sft_model(tmp_path):
-    from replicate import describe, sft_summary
+    from scripts.replicate import describe, sft_summary
     assert sft_summary(tmp_path) == "SFT stage: no metrics here.\n"
     records = [{"iteration": 0, "eval_accuracy": 0.01}, {"iteration": 1, "loss": 0.5, "train_seconds": 60.0},
                {"iteration": 2, "loss": 0.1, "train_seconds": 120.0, "eval_accuracy": 0.6,
@@ -216,7 +216,7 @@ def test_replicate_pipeline_summary_and_blocks_keyed_by_the_sft_model(tmp_path):
 
 
 def test_replicate_extras_use_a_run_that_still_has_its_checkpoint(tmp_path):
-    from replicate import latest_checkpoint
+    from scripts.replicate import latest_checkpoint
     runs = [tmp_path / f"critic-s{seed}" for seed in range(3)]
     for run_dir in runs:
         run_dir.mkdir()
@@ -227,7 +227,7 @@ def test_replicate_extras_use_a_run_that_still_has_its_checkpoint(tmp_path):
 
 
 def test_replicate_keeps_each_seed_on_one_machine(tmp_path):
-    from replicate import run, seed_machine, this_machine
+    from scripts.replicate import run, seed_machine, this_machine
     here = this_machine()
     other = {**here, "bf16_units": ["amx_bf16"] if not here["bf16_units"] else [], "dtype": "other"}
     assert seed_machine(tmp_path, 1) is None  # a new seed: its block goes to whichever machine starts it
@@ -240,7 +240,7 @@ def test_replicate_keeps_each_seed_on_one_machine(tmp_path):
 
 
 def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path, monkeypatch):
-    import replicate
+    from scripts import replicate
     done, cut = tmp_path / "vine-s0", tmp_path / "critic-s0"
     for run_dir, minutes in ((done, 10), (cut, 4)):
         run_dir.mkdir()
@@ -254,7 +254,7 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
     (tmp_path / "notes-sx" / "machine.json").write_text("{}")
     assert replicate.block_seeds(tmp_path) == [5]
     monkeypatch.setattr(replicate, "run", lambda *a, **k: pytest.fail(f"--redraw started the run {a}"))
-    monkeypatch.setattr("sys.argv", ["replicate.py", "--budget", "600", "--seeds", "0", "--estimators", "vine,critic",
+    monkeypatch.setattr("sys.argv", ["scripts/replicate.py", "--budget", "600", "--seeds", "0", "--estimators", "vine,critic",
                                      "--out", str(tmp_path), "--redraw", "--no-extras"])
     replicate.main()
     results = (tmp_path / "results.md").read_text()
@@ -264,7 +264,7 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
 
 
 def test_replicate_bad_seeds_is_a_one_line_error(tmp_path, monkeypatch):
-    import replicate
-    monkeypatch.setattr("sys.argv", ["replicate.py", "--seeds", "0,x", "--out", str(tmp_path), "--redraw"])
+    from scripts import replicate
+    monkeypatch.setattr("sys.argv", ["scripts/replicate.py", "--seeds", "0,x", "--out", str(tmp_path), "--redraw"])
     with pytest.raises(SystemExit, match="--seeds: expected comma-separated non-negative integers, got '0,x'"):
         replicate.main()

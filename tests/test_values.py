@@ -10,7 +10,7 @@ from values import (estimate_values, split_steps, step_token_starts, token_char_
 def test_gsm8k_gold_one_step_per_reasoning_line():
     for row in shipped_rows("gsm8k", "test"):
         text = row["answer"]
-        steps = split_steps(text, dataset="gsm8k")
+        steps = split_steps(text, task="gsm8k")
         reasoning_lines = [l for l in text.split("\n") if l.strip() and not l.startswith("####")]
         assert "".join(steps) == text and all(s.strip() for s in steps)
         assert len(steps) == len(reasoning_lines) and steps[-1].rstrip().split("\n")[-1].startswith("####")
@@ -20,7 +20,7 @@ def test_gsm8k_gold_one_step_per_reasoning_line():
 def test_math_gold_join_identity(split):
     counts = []
     for row in shipped_rows("math", split):
-        steps = split_steps(row["solution"], dataset="math")
+        steps = split_steps(row["solution"], task="math")
         assert "".join(steps) == row["solution"] and all(s.strip() for s in steps)
         counts.append(len(steps))
     assert 3 < sum(counts) / len(counts) < 15  # several steps per solution, not one per character
@@ -28,48 +28,48 @@ def test_math_gold_join_identity(split):
 
 def test_gsm8k_rule_on_model_style_text():
     text = "\n\nStep 1: 3 + 4 = 7\n\nStep 2: 7 * 2 = 14\n#### 14\n"
-    assert split_steps(text, dataset="gsm8k") == ["\n\nStep 1: 3 + 4 = 7\n\n", "Step 2: 7 * 2 = 14\n#### 14\n"]
-    assert split_steps("", dataset="gsm8k") == []
-    assert split_steps("no newline at all", dataset="gsm8k") == ["no newline at all"]
+    assert split_steps(text, task="gsm8k") == ["\n\nStep 1: 3 + 4 = 7\n\n", "Step 2: 7 * 2 = 14\n#### 14\n"]
+    assert split_steps("", task="gsm8k") == []
+    assert split_steps("no newline at all", task="gsm8k") == ["no newline at all"]
 
 
 def test_math_rule_keeps_math_whole_and_splits_sentences():
     text = ("We have $x = 3. Then$ nothing splits inside math. Next we compute the sum of the values given. "
             "Finally we get $y = 2.$ So the answer is $\\boxed{5}$.")
-    steps = split_steps(text, dataset="math")
+    steps = split_steps(text, task="math")
     assert "".join(steps) == text
     assert steps[0] == "We have $x = 3. Then$ nothing splits inside math. "
     assert steps[1] == "Next we compute the sum of the values given. "
     assert steps[2:] == ["Finally we get $y = 2.$ ", "So the answer is $\\boxed{5}$."]  # after math ending in "."
     asy = "Draw it:\n[asy]\ndraw((0,0)--(1,1));\n\nlabel(\"A\", (0,0));\n[/asy]\nDone, the figure is shown above."
-    assert any("[asy]\ndraw((0,0)--(1,1));\n\nlabel(\"A\", (0,0));\n[/asy]" in s for s in split_steps(asy, dataset="math"))
-    assert split_steps("e.g. This stays. Whole.", dataset="math")[0].startswith("e.g. This stays.")
+    assert any("[asy]\ndraw((0,0)--(1,1));\n\nlabel(\"A\", (0,0));\n[/asy]" in s for s in split_steps(asy, task="math"))
+    assert split_steps("e.g. This stays. Whole.", task="math")[0].startswith("e.g. This stays.")
 
 
 def test_math_rule_merges_short_and_cuts_long():
-    assert split_steps("Hence\nthe answer follows from the above.", dataset="math") == [
+    assert split_steps("Hence\nthe answer follows from the above.", task="math") == [
         "Hence\nthe answer follows from the above."]  # "Hence\n" is short: merged forward
     long = "We first note that both numbers are positive integers, " + "so the sum of these two numbers must be even too."
     assert len(long) > 100
-    steps = split_steps(long, dataset="math")
+    steps = split_steps(long, task="math")
     assert steps == ["We first note that both numbers are positive integers, ",
                      "so the sum of these two numbers must be even too."]  # cut at ", ": both halves >= 40 chars
     short_tail = "We first note that both of the two numbers given here are positive even numbers, so their sum is even."
-    assert len(short_tail) > 100 and split_steps(short_tail, dataset="math") == [short_tail]  # a half would be < 40
+    assert len(short_tail) > 100 and split_steps(short_tail, task="math") == [short_tail]  # a half would be < 40
 
 
 def test_step_token_mapping(smol):
     _, tokenizer = smol
     text = "Step 1: 3 + 4 = 7\nStep 2: 7 * 2 = 14\n#### 14"
     ids = tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    starts = step_token_starts(ids, text, tokenizer=tokenizer, dataset="gsm8k")
+    starts = step_token_starts(ids, text, tokenizer=tokenizer, task="gsm8k")
     assert len(starts) == 2 and starts[0] == 0
     second = tokenizer.decode(ids[starts[1]:], skip_special_tokens=True)
     assert second.startswith("Step 2") or second.startswith("\nStep 2")
     assert token_char_starts(ids[:3], tokenizer=tokenizer)[0] == 0
     index = token_step_index(len(ids), starts)
     assert index[0] == 0 and index[-1] == 1 and index[starts[1]] == 1 and index[starts[1] - 1] == 0
-    assert step_token_starts(ids, text, tokenizer=tokenizer, dataset="gsm8k", split="tokens:4") == list(
+    assert step_token_starts(ids, text, tokenizer=tokenizer, task="gsm8k", split="tokens:4") == list(
         range(0, len(ids), 4))
 
 
@@ -107,7 +107,7 @@ def test_estimate_values_exact_means_dedup_cap_truncation():
     starts = [[0, 1, 2, 3], [0, 1, 2], [0, 1, 2]]
     sampler = ScriptedSampler(wins={0: 2, 1: 4, 2: 6, 3: 8})
     values, stats = estimate_values(sampler=sampler, prompts=[prompt] * 3, responses=responses, step_starts=starts,
-                                    rewards=[1.0, 0.0, 1.0], answers=["1"] * 3, dataset="gsm8k", K=9,
+                                    rewards=[1.0, 0.0, 1.0], answers=["1"] * 3, grader="gsm8k", K=9,
                                     temperature=0.6, top_p=0.9, max_new_tokens=10, max_value_steps=None)
     # K = 9: wins w right, 1 truncated (scores 0 though its text is right), 8 - w wrong -> V = w / 9.
     assert values[0] == pytest.approx([2 / 9, 4 / 9, 6 / 9, 8 / 9, 0.0])
@@ -119,7 +119,7 @@ def test_estimate_values_exact_means_dedup_cap_truncation():
 
     capped, stats = estimate_values(sampler=ScriptedSampler(wins={0: 2, 1: 4, 2: 6, 3: 8}), prompts=[prompt],
                                     responses=responses[:1], step_starts=starts[:1], rewards=[1.0], answers=["1"],
-                                    dataset="gsm8k", K=9, temperature=0.6, top_p=0.9, max_new_tokens=10,
+                                    grader="gsm8k", K=9, temperature=0.6, top_p=0.9, max_new_tokens=10,
                                     max_value_steps=2)
     assert capped[0] == pytest.approx([2 / 9, 4 / 9, 1.0, 1.0, 0.0])  # past the cap: the final reward
     assert stats["value_states"] == 2
@@ -145,7 +145,7 @@ def run_modes(k_mode, seed=0, **kwargs):
     starts = [[0, 1, 2, 3], [0, 1, 2], [0, 1, 2]]
     sampler = SeededSampler(p={0: 0.0, 1: 0.5, 2: 1.0, 3: 0.3})
     values, stats = estimate_values(sampler=sampler, prompts=[prompt] * 3, responses=responses, step_starts=starts,
-                                    rewards=[1.0, 0.0, 1.0], answers=["1"] * 3, dataset="gsm8k", K=9, temperature=0.6,
+                                    rewards=[1.0, 0.0, 1.0], answers=["1"] * 3, grader="gsm8k", K=9, temperature=0.6,
                                     top_p=0.9, max_new_tokens=10, seed=seed, k_mode=k_mode, **kwargs)
     return values, stats, sampler
 
@@ -188,7 +188,7 @@ def test_fixed_mode_is_one_round_of_k_and_modes_are_deterministic():
     keys = sorted({tuple([7, 7] + r[:s]) for r, st in zip([[0, 1, 2, 3, 9], [0, 2, 1, 9], [1, 0, 2, 9]],
                                                            [[0, 1, 2, 3], [0, 1, 2], [0, 1, 2]]) for s in st})
     scores, _ = mc_rollouts(sampler=again, sequences=[list(k) + [9] for k in keys], prefix_lens=[len(k) for k in keys],
-                            prompt_lens=[2] * len(keys), answers=["1"] * len(keys), dataset="gsm8k", K=9,
+                            prompt_lens=[2] * len(keys), answers=["1"] * len(keys), grader="gsm8k", K=9,
                             temperature=0.6, top_p=0.9, max_new_tokens=10, seed=row_seed(5, 0, 9))  # round 0, 9 vines
     today = {k: sum(s) / 9 for k, s in zip(keys, scores)}
     assert values[0][:4] == [today[tuple([7, 7] + [0, 1, 2, 3][:s])] for s in [0, 1, 2, 3]]
@@ -237,7 +237,7 @@ def test_rounds_without_barriers_give_the_rounds_results(k_mode):
     lens = [2, 3, 4, 5, 6, 3, 4]  # prefix lengths (the prompt is 2 tokens); two pairs of states share a prefix
     sequences, rule = [[7, 7, 0, 1, 2, 3, 9]] * len(lens), dict(K=9, k_round=3, k_max=15, k_ci=0.45)
     common = dict(sequences=sequences, prefix_lens=lens, prompt_lens=[2] * len(lens), answers=["1"] * len(lens),
-                  dataset="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=10, seed=11)
+                  grader="gsm8k", temperature=0.6, top_p=0.9, max_new_tokens=10, seed=11)
     reference, keyed = [[] for _ in lens], KeyedSampler(p, order=0)
     for round_ in range(100):  # the rounds one after another, each row keyed (state, round, vine)
         for i, n in enumerate(round_sizes(reference, k_mode=k_mode, **rule)):

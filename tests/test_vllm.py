@@ -14,7 +14,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (opt-in: see docs/vllm.md, 'Testing the vLLM backend on a CPU')")
 
 from conftest import REPO  # noqa: E402
-from hf_sampler import HFSampler  # noqa: E402
+from engine import HFSampler  # noqa: E402
 from ppo import pad_rows  # noqa: E402
 from rollout import VLLMSampler, start_vllm  # noqa: E402
 from sampling import row_seed  # noqa: E402
@@ -69,7 +69,7 @@ def test_no_state0_vine_copies_a_rollout(smol, engine):
     try:
         estimate_values(sampler=engine, prompts=[p for p in prompts for _ in range(4)], responses=responses,
                         step_starts=[list(range(0, len(r), 8)) for r in responses], rewards=[0.0] * len(responses),
-                        answers=["7"] * len(responses), dataset="arith", K=9, temperature=1.0, top_p=1.0,
+                        answers=["7"] * len(responses), grader="arith", K=9, temperature=1.0, top_p=1.0,
                         max_new_tokens=24, seed=row_seed(seed, 1))
     finally:
         engine.sample_prefixes = original

@@ -1,5 +1,5 @@
 """Fast decoding on a CPU, as pure functions: the decoder with a preallocated KV cache, attention that reads a shared
-prefix once for all the rows continuing it, and seeded top-p sampling. hf_sampler.HFSampler drives them, in fp32 or
+prefix once for all the rows continuing it, and seeded top-p sampling. engine.HFSampler drives them, in fp32 or
 bf16: weights and the prefill cache in the sampler's dtype; the softmax, the generated tokens' cache and sampling in
 fp32.
 

@@ -1,8 +1,8 @@
-"""Section 5 of bench.py, real vines: one default CPU iteration's MC values (GSM8K train responses sampled with EOS
+"""Section 5 of bench/sampler.py, real vines: one default CPU iteration's MC values (GSM8K train responses sampled with EOS
 on, their states as train.py estimates them), timed on the static decode loop against continuous batching, in the
 sampler's dtype (--vine-dtype; auto: what train.py's --dtype auto picks here, bf16 where the device has native bf16
-matmuls, else fp32) and in fp32, and fixed K = 9 against adaptive and budget K on the same states. bench.py's
-docstring says what each figure is; `python bench.py --only-vines` runs this part alone.
+matmuls, else fp32) and in fp32, and fixed K = 9 against adaptive and budget K on the same states. bench/sampler.py's
+docstring says what each figure is; `python -m bench.sampler --only-vines` runs this part alone.
 """
 import random
 import time
@@ -11,7 +11,7 @@ import torch
 
 from data import encode_prompt, load_split
 from grader import grade
-from hf_sampler import HFSampler
+from engine import HFSampler
 from model import pick_dtype
 from sampling import row_seed
 from values import estimate_values, step_token_starts
@@ -22,15 +22,15 @@ def vine_iteration(sampler, tokenizer, *, data_dir, prompts: int, samples: int, 
     """A default CPU iteration's rollouts (GSM8K train prompts, `samples` responses each, EOS on) and their steps:
     the keyword arguments of estimate_values, bar the vine-count rule."""
     examples = random.Random(seed).choices(load_split("gsm8k", "train", data_dir=data_dir), k=prompts)
-    prompt_ids = [encode_prompt(e["question"], dataset="gsm8k", tokenizer=tokenizer) for e in examples]
+    prompt_ids = [encode_prompt(e["question"], grader="gsm8k", tokenizer=tokenizer) for e in examples]
     groups = sampler.sample(prompt_ids, n=samples, temperature=0.6, top_p=0.9, max_new_tokens=max_new_tokens,
                             seed=row_seed(seed, 0))
     rows = [(p, e["answer"], s) for p, e, g in zip(prompt_ids, examples, groups) for s in g]
     return dict(prompts=[p for p, _, _ in rows], responses=[s.token_ids for _, _, s in rows],
-                step_starts=[step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, dataset="gsm8k")
+                step_starts=[step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task="gsm8k")
                              for _, _, s in rows],
-                rewards=[grade(s.text, a, dataset="gsm8k", truncated=not s.finished) for _, a, s in rows],
-                answers=[a for _, a, _ in rows], dataset="gsm8k", K=9, temperature=0.6, top_p=0.9,
+                rewards=[grade(s.text, a, grader="gsm8k", truncated=not s.finished) for _, a, s in rows],
+                answers=[a for _, a, _ in rows], grader="gsm8k", K=9, temperature=0.6, top_p=0.9,
                 max_new_tokens=max_new_tokens, max_value_steps=25, seed=row_seed(seed, 1))
 
 

@@ -1,10 +1,10 @@
-"""Our sampler (`--sampler hf`, the default without vLLM): the decode loop of decoding.py over the transformers
+"""Our sampler (`--sampler hf`, the default without vLLM): the decode loop of engine/decoding.py over the transformers
 modules of a Llama-family model, with preallocated KV caches, in fp32 or bf16, on any torch device.
 
 Every distinct sequence is prefilled once; all n continuations of each of its prefixes attend to a view of that cache
 (the vines of values.py never re-prefill their state) and keep only their own new tokens. Two loops:
 
-- continuous (the default; continuous.py): a fixed number of decode slots; a slot freed by a finished row is refilled
+- continuous (the default; engine/continuous.py): a fixed number of decode slots; a slot freed by a finished row is refilled
   at the next step from a queue of rows, to which on_done callbacks may add while it runs (sample_requests: values.py
   submits a state's next round of vines as soon as its last one is graded).
 - static (continuous=False): batches of up to batch_size rows; finished rows leave and the batch regroups, at
@@ -24,8 +24,8 @@ from functools import partial
 import torch
 from tqdm import tqdm
 
-from continuous import decode_continuous, distinct_sequences, show_progress
-from decoding import (decode_attention, decoder_forward, next_tokens, prefill_attention, prefix_layout,
+from engine.continuous import decode_continuous, distinct_sequences, show_progress
+from engine.decoding import (decode_attention, decoder_forward, next_tokens, prefill_attention, prefix_layout,
                       suffix_layout)
 from sampling import Request, Sample, cut_at_stop, sampler_model, sync_weights
 
@@ -44,7 +44,7 @@ def settle(device: torch.device):
 
 
 class HFSampler:
-    """Our decode loop (decoding.py), in fp32 or bf16, for Llama-family models; on CPU or any torch device."""
+    """Our decode loop (engine/decoding.py), in fp32 or bf16, for Llama-family models; on CPU or any torch device."""
 
     def __init__(self, model, tokenizer, *, dtype: torch.dtype | None = None, stop_strings=(), batch_size: int = 256,
                  prefill_tokens: int = 4096, group_tokens: int = 65536, reuse_prefixes: bool = True,
@@ -53,7 +53,7 @@ class HFSampler:
         self.reuse_prefixes = reuse_prefixes  # False: every input sequence is prefilled on its own (the naive way)
         self.continuous = continuous  # False: the static loop (fixed batches, rounds with a barrier)
         # continuous batching: every resort_every steps the rows are sorted by age (0: never), and each block of
-        # suffix_block slots reads its suffix only as far as its oldest row (continuous.py, decoding.suffix_layout)
+        # suffix_block slots reads its suffix only as far as its oldest row (engine/continuous.py, decoding.suffix_layout)
         self.suffix_block, self.resort_every = suffix_block, resort_every
         self.batch_size, self.prefill_tokens, self.group_tokens = batch_size, prefill_tokens, group_tokens
         eos = model.generation_config.eos_token_id

@@ -1,7 +1,7 @@
 """Value-prediction error (the paper's Fig. 3): how close are VinePPO's K-sample MC values, and a PPO critic's
 predictions, to the true value of a state under the same policy?
 
-    python diagnose.py --checkpoint runs/arith-critic-k9-s0/ckpt-000020 --dataset arith --pairs 10
+    python -m scripts.diagnose --checkpoint runs/arith-critic-k9-s0/ckpt-000020 --dataset arith --pairs 10
 
 1. From test problems, sample a response with the checkpoint's policy, cut it at a step boundary (the parent state)
    and sample two continuations from there; the state after each one's first step is a *sibling*: two candidate
@@ -25,7 +25,7 @@ import torch
 from checkpoint import load_value_head
 from data import encode_prompt, load_split
 from model import load_model, load_tokenizer, new_value_head, pick_dtype
-from hf_sampler import HFSampler
+from engine import HFSampler
 from values import mc_rollouts, round_sizes, split_steps, step_token_starts
 
 
@@ -41,12 +41,12 @@ def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, ma
         if len(states) >= 2 * pairs:
             break
         part = examples[c0:c0 + chunk]
-        prompts = [encode_prompt(e["question"], dataset=dataset, tokenizer=tokenizer) for e in part]
+        prompts = [encode_prompt(e["question"], grader=dataset, tokenizer=tokenizer) for e in part]
         responses = sampler.sample(prompts, n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                    seed=seed + c0)
         parents = []  # (example, prompt, parent tokens): each response cut at one of its step boundaries
         for example, prompt, [response] in zip(part, prompts, responses):
-            starts = step_token_starts(response.token_ids, response.text, tokenizer=tokenizer, dataset=dataset)
+            starts = step_token_starts(response.token_ids, response.text, tokenizer=tokenizer, task=dataset)
             if len(starts) >= 2:
                 parents.append((example, prompt, response.token_ids[:rng.choice(starts[:-1])]))
         continuations = sampler.sample_prefixes(
@@ -57,8 +57,8 @@ def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, ma
         for (example, prompt, parent), pair in zip(parents, continuations):
             firsts = []
             for c in pair:
-                c_starts = step_token_starts(c.token_ids, c.text, tokenizer=tokenizer, dataset=dataset)
-                if len(c_starts) >= 2 and len(split_steps(c.text, dataset=dataset)) >= 2:
+                c_starts = step_token_starts(c.token_ids, c.text, tokenizer=tokenizer, task=dataset)
+                if len(c_starts) >= 2 and len(split_steps(c.text, task=dataset)) >= 2:
                     firsts.append(c.token_ids[:c_starts[1]])
             if len(firsts) == 2 and firsts[0] != firsts[1]:
                 found.append((example, prompt, parent, firsts))
@@ -67,7 +67,7 @@ def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, ma
             scores, _ = mc_rollouts(sampler=sampler, sequences=sequences, prefix_lens=[len(q) for q in sequences],
                                     prompt_lens=[len(prompt) for _, prompt, _, firsts in found for _ in firsts],
                                     answers=[e["answer"] for e, _, _, firsts in found for _ in firsts],
-                                    dataset=dataset, K=screen, temperature=temperature, top_p=top_p,
+                                    grader=dataset, K=screen, temperature=temperature, top_p=top_p,
                                     max_new_tokens=max_new_tokens, seed=seed + 20_000 + c0)
             found = [f for i, f in enumerate(found) if any(0 < sum(v) < len(v) for v in scores[2 * i:2 * i + 2])]
         for example, prompt, parent, firsts in found[:pairs - len(states) // 2]:

@@ -1,6 +1,6 @@
 """A picture of credit assignment: one sampled response, each step coloured by its advantage.
 
-    python visualize.py --model runs/arith-vine-k9-s0/ckpt-000020 --dataset arith --out credit
+    python -m scripts.visualize --model runs/arith-vine-k9-s0/ckpt-000020 --dataset arith --out credit
 
 Samples a group of responses to one test problem (the first problem whose group has both right and wrong answers),
 estimates VinePPO's step values with K vines, and renders the response whose steps get the most different credit:
@@ -17,7 +17,7 @@ from advantages import gae, group_baseline_advantages, step_rewards
 from data import encode_prompt, load_split
 from grader import grade
 from model import load_model, load_tokenizer
-from hf_sampler import HFSampler
+from engine import HFSampler
 from values import estimate_values, step_token_starts
 
 
@@ -32,15 +32,15 @@ def credit_example(sampler, tokenizer, examples, *, dataset: str, n: int, K: int
                    temperature: float = 0.6, top_p: float = 0.9) -> dict:
     """Find a problem whose group has mixed rewards; return one response's steps with both estimators' credit."""
     for number, example in enumerate(examples[:50]):
-        prompt = encode_prompt(example["question"], dataset=dataset, tokenizer=tokenizer)
+        prompt = encode_prompt(example["question"], grader=dataset, tokenizer=tokenizer)
         group = sampler.sample([prompt], n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                seed=seed + number)[0]
-        rewards = [grade(s.text, example["answer"], dataset=dataset, truncated=not s.finished) for s in group]
+        rewards = [grade(s.text, example["answer"], grader=dataset, truncated=not s.finished) for s in group]
         if 0 < sum(rewards) < n:
             break
-    starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, dataset=dataset) for s in group]
+    starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task=dataset) for s in group]
     values, _ = estimate_values(sampler=sampler, prompts=[prompt] * n, responses=[s.token_ids for s in group],
-                                step_starts=starts, rewards=rewards, answers=[example["answer"]] * n, dataset=dataset,
+                                step_starts=starts, rewards=rewards, answers=[example["answer"]] * n, grader=dataset,
                                 K=K, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     step_adv = [gae(step_rewards(len(v) - 1, r), torch.tensor(v), gamma=1.0, lam=0.0).tolist()
                 for v, r in zip(values, rewards)]

@@ -1,6 +1,6 @@
 """Subnormal floats on a CPU: how many a trained run's AdamW state holds, and what they cost the PPO section.
 
-    python bench_denormals.py --checkpoint results/pipeline/grpo-s2/ckpt-000019      (about 3 minutes on 2 cores)
+    python -m bench.denormals --checkpoint results/pipeline/grpo-s2/ckpt-000019      (about 3 minutes on 2 cores)
 
 A float32 below 1.2e-38 is subnormal; x86 cores compute with one far slower than with a normal number unless
 flush-to-zero is on (torch.set_flush_denormal(True), off by default); GPUs take them at full speed. AdamW's second
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench import best_time
+from bench.sampler import best_time
 from checkpoint import load_trainer_state
 from data import encode_prompt, load_split
 from model import Scorer, load_model, load_tokenizer, pick_dtype
@@ -75,7 +75,7 @@ def main():
     params = list(policy.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     examples = load_split("arith", "test", data_dir=None)[:args.batch]
-    prompts = [encode_prompt(e["question"], dataset="arith", tokenizer=tokenizer) for e in examples]
+    prompts = [encode_prompt(e["question"], grader="arith", tokenizer=tokenizer) for e in examples]
     responses = [tokenizer(e["solution"], add_special_tokens=False).input_ids for e in examples]
     input_ids, attention_mask, response_mask, P = pad_episodes(prompts, responses, pad_id=tokenizer.pad_token_id)
     scorer = Scorer(policy, dtype=pick_dtype("auto", device))

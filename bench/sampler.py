@@ -1,11 +1,11 @@
 """Sampler benchmark: our decode loop (rollout.HFSampler) against transformers `generate`, in fp32 and bf16, and the
 VinePPO pattern.
 
-    python bench.py                      # a few minutes on a 2-core CPU
-    python bench.py --batches 1,8,64     # a subset
-    python bench.py --device cuda --shape 1b --tokenizer DIR --dataset arith --json b.json   # random ~1.1B, on a GPU
+    python -m bench.sampler                      # a few minutes on a 2-core CPU
+    python -m bench.sampler --batches 1,8,64     # a subset
+    python -m bench.sampler --device cuda --shape 1b --tokenizer DIR --dataset arith --json b.json   # random ~1.1B, on a GPU
 
---shape 135m|1b|tiny benches a random-weight model of that shape (shapes.py: speed and memory only, its text is
+--shape 135m|1b|tiny benches a random-weight model of that shape (bench/shapes.py: speed and memory only, its text is
 gibberish), which needs only a tokenizer (--tokenizer, default --model). --dataset arith takes the prompts from the
 generated arith problems, which need no data files. On CUDA every timer waits for the GPU's queued work first.
 
@@ -48,12 +48,12 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from bench_vines import real_vines
+from bench.vines import real_vines
 from data import encode_prompt, load_split
 from model import DEFAULT_MODEL, load_model, load_tokenizer
-from hf_sampler import HFSampler
+from engine import HFSampler
 from monitor import peak_memory_gb, reset_peak_memory
-from shapes import SHAPES, random_model
+from bench.shapes import SHAPES, random_model
 
 
 def wait(device: torch.device):
@@ -99,7 +99,7 @@ def bench_prompts(tokenizer, count: int, length: int, data_dir, dataset: str = "
         text, ids = "", []
         while len(ids) < length:
             text, i = text + " " + questions[i], i + 1
-            ids = encode_prompt(text, dataset=dataset, tokenizer=tokenizer)
+            ids = encode_prompt(text, grader=dataset, tokenizer=tokenizer)
         prompts.append(ids[-length:])  # keep the end: the prompt still closes with the assistant tag
     return prompts
 

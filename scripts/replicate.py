@@ -1,7 +1,7 @@
 """One-command laptop replication on `arith`: estimators x seeds, identical settings, the same training wall-clock.
 
-    python replicate.py --pipeline --budget 1200 --seeds 0,1,2,3      (the paper's pipeline: SFT, then RL)
-    python replicate.py --budget 1200 --seeds 0,1,2 --out results/replication      (one-operation arith, no SFT)
+    python -m scripts.replicate --pipeline --budget 1200 --seeds 0,1,2,3      (the paper's pipeline: SFT, then RL)
+    python -m scripts.replicate --budget 1200 --seeds 0,1,2 --out results/replication      (one-operation arith, no SFT)
 
 --pipeline is the paper's setting at laptop scale: the instruct model is first fine-tuned on the worked solutions of
 PIPELINE_OPS-operation arith (sft.py with SFT_SETTINGS, once, into OUT/sft; the sha256 of its weights goes into every
@@ -14,10 +14,10 @@ exist is skipped, one that was cut off resumes from its last checkpoint (written
 can be spread over several sittings. Each seed is a block run on one machine (recorded in each run's machine.json):
 a budget of wall-clock buys different work on another CPU or dtype, so a seed begun on one machine is not continued
 on another (start a new seed there), and estimators are compared within a block. Then summarizes every finished run
-in --out (not only this invocation's) into it: curves.png (plot.py), results.md and results.json (one row per run,
+in --out (not only this invocation's) into it: curves.png (scripts/plot.py), results.md and results.json (one row per run,
 and the summary over seeds from plot.summarize_grid), and with --extras the value-error diagnostic on a critic run
-(diagnose.py, with the adaptive-K rule of `vine-adaptive`) and the credit-assignment picture of a VinePPO run
-(visualize.py), each on the first run of its estimator that still has its checkpoint here. `--redraw` runs nothing
+(scripts/diagnose.py, with the adaptive-K rule of `vine-adaptive`) and the credit-assignment picture of a VinePPO run
+(scripts/visualize.py), each on the first run of its estimator that still has its checkpoint here. `--redraw` runs nothing
 and only summarizes, as a grid spread over sittings needs between them.
 """
 import argparse
@@ -33,7 +33,9 @@ from pathlib import Path
 import torch
 
 from model import cpu_bf16_units, pick_dtype
-from plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
+from scripts.plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: train.py and sft.py run from there
 
 ESTIMATORS = {"vine": ["--estimator", "vine"],  # K = 9
               "vine-adaptive": ["--estimator", "vine", "--k-mode", "adaptive", "--k-ci", "0.45"],  # docs/adaptive-k.md
@@ -114,7 +116,7 @@ def sft_stage(out: Path) -> tuple[Path, str]:
         cmd = [sys.executable, "sft.py", *SFT_SETTINGS, "--out-dir", str(sft_dir),
                "--resume" if (sft_dir / "latest").exists() else "--overwrite"]
         print("$", " ".join(cmd), flush=True)
-        if subprocess.run(cmd, cwd=Path(__file__).parent).returncode != 0:
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
             raise SystemExit("error: the SFT stage failed; see its output above")
     with open(sft_dir / "model.safetensors", "rb") as f:  # streamed: the fp32 weights are ~540 MB
         digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -140,7 +142,7 @@ def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str], mac
     print("$", " ".join(cmd), flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "machine.json").write_text(json.dumps(machine) + "\n")
-    if subprocess.run(cmd, cwd=Path(__file__).parent).returncode != 0:
+    if subprocess.run(cmd, cwd=ROOT).returncode != 0:
         raise SystemExit(f"error: the {name} run (seed {seed}) failed; see its output above")
     return run_dir
 
@@ -186,7 +188,7 @@ def main():
     parser.add_argument("--threshold", type=float, default=None, help="pass@1 whose time to reach is reported "
                         "(default 0.35; with --pipeline 0.65, three SEs above the SFT model's ~0.58)")
     parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run diagnose.py on the critic run and visualize.py on the vine run")
+                        help="also run scripts/diagnose.py on the critic run and scripts/visualize.py on the vine run")
     parser.add_argument("--redraw", action="store_true",
                         help="run nothing: only summarize and plot the finished runs in --out")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
@@ -241,13 +243,13 @@ def main():
         adaptive = ESTIMATORS["vine-adaptive"]
         rule = f"adaptive:{adaptive[adaptive.index('--k-ci') + 1]}"  # the grid's adaptive-K point in the diagnostic
         for estimator, script, flag, options in (
-                ("critic", "diagnose.py", "--checkpoint", ["--rules", rule, "--out", str(out / "diagnostics")]),
-                ("vine", "visualize.py", "--model", ["--out", str(out / "credit")])):
+                ("critic", "scripts.diagnose", "--checkpoint", ["--rules", rule, "--out", str(out / "diagnostics")]),
+                ("vine", "scripts.visualize", "--model", ["--out", str(out / "credit")])):
             ckpt = latest_checkpoint([cell_dir(out, estimator, seed) for seed in runs.get(estimator, {})])
             if ckpt is None:  # checkpoints are not committed: a clean checkout only has the metrics
                 print(f"--extras: no {estimator} run with a checkpoint here; {script} skipped", flush=True)
                 continue
-            subprocess.run([sys.executable, script, flag, str(ckpt), *options], cwd=Path(__file__).parent, check=True)
+            subprocess.run([sys.executable, "-m", script, flag, str(ckpt), *options], cwd=ROOT, check=True)
 
 
 def sft_summary(sft_dir: Path) -> str:

@@ -1,7 +1,7 @@
 """AdamW's step on the policy's fp32 master weights: torch's default multi-tensor ("foreach") loop against its fused
 kernel (`fused=True`, what train.py and sft.py use), on the same parameters, gradients and moments.
 
-    python bench_adamw.py                      (about a minute on 2 cores)
+    python -m bench.adamw                      (about a minute on 2 cores)
 
 Both optimizers start from the same state (one step taken, so both moments are nonzero), then step in alternation
 (A B A B, the state restored before each; one untimed pair first); best of --repeats each. The updates they make are
@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from bench import best_time
+from bench.sampler import best_time
 from model import DEFAULT_MODEL, load_model
 
 

@@ -1,4 +1,4 @@
-"""Continuous batching for HFSampler (hf_sampler.py): a full decode batch until the last row.
+"""Continuous batching for HFSampler (engine/sampler.py): a full decode batch until the last row.
 
 The static loop decodes fixed batches: a row that ends leaves, no row takes its place, and each batch runs at
 shrinking width until its longest row ends (vines differ a lot in length: a state-0 vine writes the whole answer, a
@@ -39,7 +39,7 @@ from functools import partial
 
 import torch
 
-from decoding import decode_attention, decoder_forward, next_tokens, prefix_layout, suffix_layout
+from engine.decoding import decode_attention, decoder_forward, next_tokens, prefix_layout, suffix_layout
 from sampling import Request, cut_at_stop
 
 

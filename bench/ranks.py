@@ -2,7 +2,7 @@
 cores each (gloo, DDP). Prints each section's seconds (rank 0's clock), the work done (vine tokens), and the bytes
 each rank handed to collectives in the iteration; the last line holds the ratios.
 
-    python bench_dist.py [--dataset gsm8k] [--k 9] [extra train.py flags ...]      (about 10 minutes on 2 cores)
+    python -m bench.ranks [--dataset gsm8k] [--k 9] [extra train.py flags ...]      (about 10 minutes on 2 cores)
 """
 import json
 import os
@@ -17,7 +17,7 @@ SECTIONS = ("rollout", "values", "ppo", "sync", "eval")
 def run(launch: list[str], out: Path, args: list[str], threads: int) -> dict:
     cmd = launch + ["train.py", "--iterations", "1", "--eval-every", "1", "--out-dir", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    done = subprocess.run(cmd, cwd=Path(__file__).parent, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
