@@ -2,6 +2,8 @@
 
     sampler.sample(prompts, n=..., temperature=..., top_p=..., max_new_tokens=..., seed=...) -> [[Sample] * n] per prompt
     sampler.sample_prefixes(sequences, prefix_lens, ...) -> the same, continuing each sequences[i][:prefix_lens[i]]
+    sampler.sample_requests(sequences, prefix_lens, requests, on_done=..., temperature=..., top_p=...,
+                            max_new_tokens=...)  # sampling.Request's; on_done(request, samples) -> more requests
     sampler.sleep()        # before each PPO update: give the update the sampler's memory (vLLM on CUDA; else no-op)
     sampler.sync(policy)  # after each PPO update: make the sampler use the new weights
 
@@ -9,6 +11,8 @@
   Llama-family model, with preallocated KV caches and shared prefixes.
 - GenerateSampler: transformers `generate`; the fallback for other architectures and the benchmark's baseline.
 - VLLMSampler: vLLM in-process with prefix caching (GPU users).
+GenerateSampler and VLLMSampler answer requests in waves of sample_prefixes calls (sampling.requests_in_waves); ours
+adds the requests that on_done returns to the running batch.
 
 A Sample holds the generated ids (with the EOS / stop token when there is one), the decoded text, `finished`: True if
 it ended on EOS or a stop string, False if it hit the length limit, and `logprobs`: each token's log-prob under the
@@ -33,7 +37,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import dist
 from engine import HFSampler
-from sampling import Sample, cut_at_stop, nucleus_log_mass, row_seed, sampler_model, sync_weights
+from sampling import (Sample, cut_at_stop, nucleus_log_mass, requests_in_waves, row_seed, sampler_model,
+                      sync_weights)
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # decoders our loop runs: pre-norm, RoPE, GQA, no q/k norm
 
@@ -105,6 +110,10 @@ class GenerateSampler:
     def sample_prefixes(self, sequences, prefix_lens, **kwargs):
         return self.sample([s[:L] for s, L in zip(sequences, prefix_lens)], **kwargs)  # re-prefills every prefix
 
+    def sample_requests(self, sequences, prefix_lens, requests, *, on_done, temperature, top_p, max_new_tokens):
+        requests_in_waves(self.sample_prefixes, sequences, prefix_lens, requests, on_done=on_done,
+                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+
     def sleep(self):
         pass
 
@@ -148,6 +157,10 @@ class VLLMSampler:
 
     def sample_prefixes(self, sequences, prefix_lens, **kwargs):
         return self.sample([s[:L] for s, L in zip(sequences, prefix_lens)], **kwargs)  # vLLM's prefix cache reuses
+
+    def sample_requests(self, sequences, prefix_lens, requests, *, on_done, temperature, top_p, max_new_tokens):
+        requests_in_waves(self.sample_prefixes, sequences, prefix_lens, requests, on_done=on_done,
+                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
 
     def sleep(self):
         if self.sleep_mode and not self.asleep:

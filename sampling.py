@@ -3,8 +3,9 @@
 - Sample, and cut_at_stop, which trims raw generated ids at a stop token / stop string / the length limit;
 - sampler_model / sync_weights: the sampler's own copy of the weights in the compute dtype, refreshed after updates;
 - row_seed: the seed of one sampled row, so that no two rows of an iteration share their random numbers;
-- Request: n continuations of one state, for samplers that take requests while they decode (HFSampler's
-  sample_requests: values.py submits a state's next round of vines as soon as its last one is graded);
+- Request: n continuations of one state, what every sampler's sample_requests takes (values.py submits a state's
+  next round of vines as soon as its last one is graded); requests_in_waves: sample_requests for the samplers that
+  only sample whole calls (rollout.py's GenerateSampler and VLLMSampler), built on their sample_prefixes;
 - nucleus_keep / nucleus_log_mass: the top-p nucleus, so that every sampler and the trainer report a token's
   log-prob under the same distribution, the one it was sampled from.
 
@@ -36,13 +37,13 @@ class Sample:
 
 @dataclass
 class Request:
-    """n continuations of state `state` (an index into the call's sequences / prefix_lens). Row j of it is keyed
-    state * n + j and draws its noise from (seed, key, step, token): what sample_prefixes(..., n, seed) gives row
-    (state, j). `tag`: the caller's (values.py: the round)."""
+    """n continuations of state `state` (an index into the call's sequences / prefix_lens). In our decode loop, row j
+    of it is keyed state * n + j and draws its noise from (seed, key, step, token): what sample_prefixes(..., n,
+    seed) gives row (state, j). `round`: the caller's round of vines for that state (values.py), 0 for the first."""
     state: int
     n: int
     seed: int
-    tag: int = 0
+    round: int = 0
 
 
 def cut_at_stop(ids: list[int], *, logprobs: list[float], tokenizer, stop_ids: set[int], stop_strings: list[str],
@@ -59,6 +60,30 @@ def cut_at_stop(ids: list[int], *, logprobs: list[float], tokenizer, stop_ids: s
             n = next(i for i in range(1, len(ids) + 1) if len(tokenizer.decode(ids[:i], skip_special_tokens=True)) >= end)
             return Sample(ids[:n], text[:end], True, logprobs[:n])
     return Sample(ids, text, False, logprobs[:limit])
+
+
+def requests_in_waves(sample_prefixes, sequences, prefix_lens, requests: list[Request], *, on_done, temperature, top_p,
+                      max_new_tokens) -> None:
+    """sample_requests (its contract: engine.HFSampler.sample_requests) for a sampler that samples only whole calls:
+    the pending requests in waves. A wave's requests are grouped by (seed, n), each group's states in index order;
+    one sample_prefixes(those states, n=n, seed=seed, their budgets) call per group, groups by n, smallest first;
+    then on_done(request, samples) for each of the group's requests, and what they return is the next wave.
+    values.py's round r of n vines per state is one group, of seed row_seed(seed, r, n): one call per round and
+    vine count, every round after the one before. A call keys its rows by their place in it, not by state."""
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(sequences)
+    while requests:
+        groups = {}  # (seed, n) -> the wave's requests of that seed and count
+        for request in requests:
+            groups.setdefault((request.seed, request.n), []).append(request)
+        requests = []
+        for (seed, n), group in sorted(groups.items(), key=lambda item: item[0][1]):
+            group.sort(key=lambda r: r.state)
+            states = [r.state for r in group]
+            out = sample_prefixes([sequences[i] for i in states], [prefix_lens[i] for i in states], n=n,
+                                  temperature=temperature, top_p=top_p, max_new_tokens=[budgets[i] for i in states],
+                                  seed=seed)
+            for request, samples in zip(group, out):
+                requests += on_done(request, samples)
 
 
 def sampler_model(policy, dtype: torch.dtype | None):

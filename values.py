@@ -8,13 +8,16 @@ the length limit scores 0. Identical states across the batch are estimated once.
 Steps are found in text (`split_steps`) and mapped to tokens through each token's character offset: a token belongs
 to the step holding its first character, so the state before step j is prompt + response tokens[:start_j].
 
-How many vines a state gets is `round_sizes`' rule (fixed K, or rounds: adaptive, budget, official). With a sampler
-that takes requests while it decodes (HFSampler.sample_requests), a state's next round is submitted as soon as its
-previous vines are graded, into the running batch: fixed, adaptive and official decide each state from its own
-rewards, so no state waits for another; budget shares its vines out over all states, so its next round is decided
-when every state's round is graded (a barrier per round, but no new prefill). Other samplers get the rounds one call
-at a time. Every (state, round, vine) row draws its own noise: round r's n vines of state i are the rows i * n + j of
-seed row_seed(seed, r, n); fixed K is round 0, one call of K for every state, as before requests existed.
+How many vines a state gets is `round_sizes`' rule (fixed K, or rounds: adaptive, budget, official). The rounds are
+requests (sampling.Request) to the sampler's sample_requests, which hands each state's vines back to
+`grade_and_continue` as soon as they are done; that grades them and asks for what comes next: fixed, adaptive and
+official decide each state from its own rewards, so a state's next round is asked for at once and no state waits for
+another; budget shares its vines out over all states, so its next round is asked for when every state's round is
+graded (a barrier per round). Our decode loop puts a next round into the running batch (no new prefill);
+generate and vLLM sample the rounds in waves, one call per round and vine count (sampling.requests_in_waves). Every
+(state, round, vine) row draws its own noise: round r's n vines of state i are the rows i * n + j of seed
+row_seed(seed, r, n) (with generate and vLLM, j of the state's place in its call); fixed K is round 0, one request
+of K for every state.
 """
 import math
 import re
@@ -153,7 +156,8 @@ def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], 
                 seed: int = 0) -> tuple[list[list[float]], int]:
     """The 0/1 rewards of K continuations of every state sequences[i][:prefix_lens[i]] (the first prompt_lens[i]
     tokens being the prompt), and the number of tokens sampled. Each continuation is graded as a whole response,
-    prefix included; one cut by the length limit (max_new_tokens for the whole response) scores 0."""
+    prefix included; one cut by the length limit (max_new_tokens for the whole response) scores 0. One
+    sample_prefixes call: scripts/diagnose.py's fixed-K values (training's go through vine_rewards)."""
     budgets = [max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)]
     vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
                                     max_new_tokens=budgets, seed=seed) if sequences else []
@@ -221,71 +225,43 @@ def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, grade
                  k_round: int, k_max: int, k_ci: float, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int = 0) -> tuple[list[list[float]], int]:
     """The rewards of every state's vines, sampled in rounds (round_sizes; `fixed` is one round of K), and the number
-    of tokens sampled. With sampler.sample_requests, one call: a state's next round joins the running batch as soon
-    as its vines are graded (budget: once every state's are); else one sampler call per round and vine count."""
+    of tokens sampled: one sampler.sample_requests call, whose on_done (grade_and_continue) grades each state's
+    round and asks for its next one (budget: once every state's round is graded)."""
     rule = dict(k_mode=k_mode, K=K, k_round=k_round, k_max=k_max, k_ci=k_ci)
-    if not hasattr(sampler, "sample_requests"):
-        return vine_rewards_in_rounds(sampler=sampler, sequences=sequences, prefix_lens=prefix_lens,
-                                      prompt_lens=prompt_lens, answers=answers, grader=grader, rule=rule,
-                                      temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
-    progress = {"rewards": [[] for _ in sequences], "tokens": 0, "open": 0}  # open: requests of a budget round
-    first = round_requests(progress, round_=0, rule=rule, seed=seed)
+    tally = {"rewards": [[] for _ in sequences], "tokens": 0, "open": 0}  # open: requests of a budget round
+    first = round_requests(tally, round_=0, rule=rule, seed=seed)
     if first:
-        on_done = partial(grade_and_continue, progress=progress, rule=rule, seed=seed, sequences=sequences,
+        on_done = partial(grade_and_continue, tally=tally, rule=rule, seed=seed, sequences=sequences,
                           prefix_lens=prefix_lens, prompt_lens=prompt_lens, answers=answers, grader=grader,
                           tokenizer=sampler.tokenizer)
         sampler.sample_requests(sequences, prefix_lens, first, on_done=on_done, temperature=temperature, top_p=top_p,
                                 max_new_tokens=[max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)])
-    return progress["rewards"], progress["tokens"]
+    return tally["rewards"], tally["tokens"]
 
 
-def round_requests(progress: dict, *, round_: int, rule: dict, seed: int) -> list[Request]:
+def round_requests(tally: dict, *, round_: int, rule: dict, seed: int) -> list[Request]:
     """Round `round_` for every state that round_sizes gives vines to, given all the rewards so far."""
-    sizes = round_sizes(progress["rewards"], **rule)
-    requests = [Request(i, n, row_seed(seed, round_, n), round_) for i, n in enumerate(sizes) if n]
-    progress["open"] += len(requests)
+    sizes = round_sizes(tally["rewards"], **rule)
+    requests = [Request(i, n, row_seed(seed, round_, n), round=round_) for i, n in enumerate(sizes) if n]
+    tally["open"] += len(requests)
     return requests
 
 
-def grade_and_continue(request: Request, samples, *, progress: dict, rule: dict, seed: int, sequences, prefix_lens,
+def grade_and_continue(request: Request, samples, *, tally: dict, rule: dict, seed: int, sequences, prefix_lens,
                        prompt_lens, answers, grader: str, tokenizer) -> list[Request]:
-    """on_done of vine_rewards' requests: grade one state's round of vines, then ask for what comes next: that
-    state's next round at once (per-state rules), or, once the last state of a budget round is graded, the next
-    round of every state that round_sizes picks."""
-    i = request.state
-    progress["rewards"][i] += grade_vines(samples, sequence=sequences[i], prefix_len=prefix_lens[i],
-                                          prompt_len=prompt_lens[i], answer=answers[i], grader=grader,
-                                          tokenizer=tokenizer)
-    progress["tokens"] += sum(len(v.token_ids) for v in samples)
-    progress["open"] -= 1
+    """on_done of vine_rewards' requests: grade one state's round of vines into `tally` (its rewards, the tokens
+    sampled), then ask for what comes next: that state's next round at once (per-state rules), or, once the last
+    state of a budget round is graded, the next round of every state that round_sizes picks."""
+    i, next_round = request.state, request.round + 1
+    tally["rewards"][i] += grade_vines(samples, sequence=sequences[i], prefix_len=prefix_lens[i],
+                                       prompt_len=prompt_lens[i], answer=answers[i], grader=grader,
+                                       tokenizer=tokenizer)
+    tally["tokens"] += sum(len(v.token_ids) for v in samples)
+    tally["open"] -= 1
     if rule["k_mode"] in PER_STATE_RULES:
-        n = round_sizes([progress["rewards"][i]], **rule)[0]
-        return [Request(i, n, row_seed(seed, request.tag + 1, n), request.tag + 1)] if n else []
-    return [] if progress["open"] else round_requests(progress, round_=request.tag + 1, rule=rule, seed=seed)
-
-
-def vine_rewards_in_rounds(*, sampler, sequences, prefix_lens, prompt_lens, answers, grader: str, rule: dict,
-                           temperature: float, top_p: float, max_new_tokens: int, seed: int):
-    """vine_rewards for samplers without sample_requests (transformers' generate; vLLM, which batches continuously
-    itself): every round waits for the last vine of the one before; one sampler call per vine count, of seed
-    row_seed(seed, r, n), whose rows are keyed by the state's place in that call: the same rows as vine_rewards'
-    in round 0 (every state takes part), other (equally random) ones after it."""
-    rewards, tokens = [[] for _ in sequences], 0
-    for round_ in range(10_000):
-        sizes = round_sizes(rewards, **rule)
-        if not any(sizes):
-            break
-        for n in sorted(set(sizes) - {0}):  # one sampler call per vine count
-            idx = [i for i, size in enumerate(sizes) if size == n]
-            scores, t = mc_rollouts(sampler=sampler, sequences=[sequences[i] for i in idx],
-                                    prefix_lens=[prefix_lens[i] for i in idx], prompt_lens=[prompt_lens[i] for i in idx],
-                                    answers=[answers[i] for i in idx], grader=grader, K=n, temperature=temperature,
-                                    top_p=top_p, max_new_tokens=max_new_tokens,
-                                    seed=row_seed(seed, round_, n))  # every round's rows their own noise
-            for i, sc in zip(idx, scores):
-                rewards[i] += sc
-            tokens += t
-    return rewards, tokens
+        n = round_sizes([tally["rewards"][i]], **rule)[0]
+        return [Request(i, n, row_seed(seed, next_round, n), round=next_round)] if n else []
+    return [] if tally["open"] else round_requests(tally, round_=next_round, rule=rule, seed=seed)
 
 
 def split_states(costs: list[float], *, parts: int) -> list[list[int]]:

@@ -147,8 +147,9 @@ def test_continuous_batching_samples_the_static_loops_tokens(smol, states):
 
 def second_round(request, samples, *, log):
     """on_done for the test below: keep the samples; even states ask for a second round of 2 (its own seed)."""
-    log[(request.state, request.tag)] = [s.token_ids for s in samples]
-    return [Request(request.state, 2, 100 + request.state, 1)] if request.tag == 0 and request.state % 2 == 0 else []
+    log[(request.state, request.round)] = [s.token_ids for s in samples]
+    return [Request(request.state, 2, 100 + request.state, round=1)] if request.round == 0 and request.state % 2 == 0 \
+        else []
 
 
 def test_requests_added_while_decoding_sample_as_in_static_passes(smol, states):
@@ -163,7 +164,7 @@ def test_requests_added_while_decoding_sample_as_in_static_passes(smol, states):
             seqs, lens, [Request(i, 3, 7) for i in range(len(seqs))], on_done=partial(second_round, log=logs[-1]),
             temperature=0.6, top_p=0.9, max_new_tokens=budgets)
     assert logs[0] == logs[1] and len(logs[0]) == 5 + 3
-    order = [tag for _, tag in logs[1]]  # the continuous loop's, in the order the requests ended
+    order = [round_ for _, round_ in logs[1]]  # the continuous loop's, in the order the requests ended
     assert order.index(1) < len(order) - 1 - order[::-1].index(0)
 
 

@@ -3,7 +3,7 @@ whose rewards are known exactly."""
 import pytest
 
 from conftest import shipped_rows
-from sampling import Sample, row_seed
+from sampling import Sample, requests_in_waves, row_seed
 from values import (estimate_values, split_steps, step_token_starts, token_char_starts, token_step_index)
 
 
@@ -84,7 +84,14 @@ class CharTokenizer:
         return [self.decode(s) for s in seqs]
 
 
-class ScriptedSampler:
+class InWaves:
+    """sample_requests as generate and vLLM have it: waves of sample_prefixes calls (sampling.requests_in_waves)."""
+
+    def sample_requests(self, sequences, prefix_lens, requests, **kwargs):
+        requests_in_waves(self.sample_prefixes, sequences, prefix_lens, requests, **kwargs)
+
+
+class ScriptedSampler(InWaves):
     """From a state whose prefix has L response tokens, the first `wins[L]` of K vines answer "#### 1" (right),
     one more answers right but is cut by the length limit, the rest answer "#### 0"."""
 
@@ -125,7 +132,7 @@ def test_estimate_values_exact_means_dedup_cap_truncation():
     assert stats["value_states"] == 2
 
 
-class SeededSampler:
+class SeededSampler(InWaves):
     """Each vine right ("#### 1") with its state's probability p(L) (L = prefix tokens past the 2-token prompt), drawn
     from a hash of (seed, state, vine index): the same seed gives the same vines."""
 
@@ -204,11 +211,12 @@ class KeyedSampler:
     """Vines keyed like our sampler's rows: vine j of the i-th state of a call of n each is right with its state's
     probability p(L) (L = prefix tokens past the 2-token prompt), drawn from a hash of (seed, i * n + j).
     sample_requests answers its requests in an order shuffled by `order`: a state's next round may be answered
-    before another state's first. `answered`: (state, round) in the order answered."""
+    before another state's first. `answered`: (state, round) in the order answered; `calls`: the sample_prefixes
+    calls, (prefix lengths, n, seed, budgets) each."""
 
     def __init__(self, p, order: int):
         import random
-        self.tokenizer, self.p, self.order, self.answered = CharTokenizer(), p, random.Random(order), []
+        self.tokenizer, self.p, self.order, self.answered, self.calls = CharTokenizer(), p, random.Random(order), [], []
 
     def vine(self, L, seed, key):
         import random
@@ -216,14 +224,19 @@ class KeyedSampler:
         return Sample([3, 9], "#### 1", True, [0.0, 0.0]) if right else Sample([4, 9], "#### 0", True, [0.0, 0.0])
 
     def sample_prefixes(self, sequences, prefix_lens, *, n, temperature, top_p, max_new_tokens, seed):
+        self.calls.append((list(prefix_lens), n, seed, list(max_new_tokens)))
         return [[self.vine(L, seed, i * n + j) for j in range(n)] for i, L in enumerate(prefix_lens)]
 
     def sample_requests(self, sequences, prefix_lens, requests, *, on_done, temperature, top_p, max_new_tokens):
         pending = list(requests)
         while pending:
             r = pending.pop(self.order.randrange(len(pending)))
-            self.answered.append((r.state, r.tag))
+            self.answered.append((r.state, r.round))
             pending += on_done(r, [self.vine(prefix_lens[r.state], r.seed, r.state * r.n + j) for j in range(r.n)])
+
+
+class KeyedInWaves(InWaves, KeyedSampler):
+    """KeyedSampler's vines, its requests answered as generate and vLLM answer them (requests_in_waves)."""
 
 
 @pytest.mark.parametrize("k_mode", ["fixed", "adaptive", "budget", "official"])
@@ -231,7 +244,9 @@ def test_rounds_without_barriers_give_the_rounds_results(k_mode):
     """vine_rewards through sample_requests, its requests answered in two shuffled orders, equals the rounds one
     after another (every state's round r before any round r + 1) on the same keyed vines: the same stopping rule,
     the same results. Per-state rules really run without a barrier; budget keeps its barrier per round. Fixed K
-    through requests is today's single call of K (row_seed(seed, 0, K))."""
+    through requests is a single call of K (row_seed(seed, 0, K)). With generate's and vLLM's sample_requests
+    (requests_in_waves), the sample_prefixes calls are the rounds one after another, one call per round and vine
+    count, of seed row_seed(seed, round, n), its states in order, rows keyed by their place in the call."""
     from values import mc_rollouts, round_sizes, vine_rewards
     p = {0: 0.0, 1: 0.5, 2: 1.0, 3: 0.3, 4: 0.6}
     lens = [2, 3, 4, 5, 6, 3, 4]  # prefix lengths (the prompt is 2 tokens); two pairs of states share a prefix
@@ -254,3 +269,18 @@ def test_rounds_without_barriers_give_the_rounds_results(k_mode):
     if k_mode == "fixed":
         today, _ = mc_rollouts(sampler=KeyedSampler(p, order=0), K=9, **{**common, "seed": row_seed(11, 0, 9)})
         assert rewards == today
+    calls, in_calls = KeyedSampler(p, order=0), [[] for _ in lens]  # the rounds one after another, a call per n
+    for round_ in range(100):
+        sizes = round_sizes(in_calls, k_mode=k_mode, **rule)
+        for n in sorted(set(sizes) - {0}):
+            idx = [i for i, size in enumerate(sizes) if size == n]
+            part = {key: [common[key][i] for i in idx] for key in ("sequences", "prefix_lens", "prompt_lens", "answers")}
+            scores, _ = mc_rollouts(sampler=calls, K=n, **{**common, **part, "seed": row_seed(11, round_, n)})
+            for i, sc in zip(idx, scores):
+                in_calls[i] += sc
+    waves = KeyedInWaves(p, order=0)
+    rewards, tokens = vine_rewards(sampler=waves, k_mode=k_mode, **rule, **common)
+    assert waves.calls == calls.calls and rewards == in_calls and tokens == 2 * sum(map(len, in_calls))
+    assert len(waves.calls) > 1 or k_mode == "fixed"
+    if k_mode == "fixed":
+        assert in_calls == reference
