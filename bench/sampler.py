@@ -1,4 +1,4 @@
-"""Sampler benchmark: our decode loop (rollout.HFSampler) against transformers `generate`, in fp32 and bf16, and the
+"""Sampler benchmark: our decode loop (engine.HFSampler) against transformers `generate`, in fp32 and bf16, and the
 VinePPO pattern.
 
     python -m bench.sampler                      # a few minutes on a 2-core CPU
@@ -39,7 +39,7 @@ bf16_vs_fp32_b256=<the same at 256> continuous_vs_static=<static seconds/continu
 --vine-dtype> adaptive_vs_fixed_seconds=<adaptive 0.45 seconds/fixed K = 9 seconds, continuous, --vine-dtype, the
 same states>.
 Every figure also goes to --json PATH, with the peak memory of each run (GB: the resident high-water mark on a CPU,
-torch.cuda.max_memory_allocated on CUDA; monitor.peak_memory_gb).
+torch.cuda.max_memory_allocated on CUDA; runlog.peak_memory_gb).
 """
 import argparse
 import json
@@ -48,12 +48,12 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from bench.shapes import SHAPES, random_model
 from bench.vines import real_vines
 from data import encode_prompt, load_split
-from model import DEFAULT_MODEL, load_model, load_tokenizer
 from engine import HFSampler
-from monitor import peak_memory_gb, reset_peak_memory
-from bench.shapes import SHAPES, random_model
+from model import DEFAULT_MODEL, load_model, load_tokenizer
+from runlog import peak_memory_gb, reset_peak_memory
 
 
 def wait(device: torch.device):

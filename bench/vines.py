@@ -10,8 +10,8 @@ import time
 import torch
 
 from data import encode_prompt, load_split
-from grader import grade
 from engine import HFSampler
+from grader import grade
 from model import pick_dtype
 from sampling import row_seed
 from values import estimate_values, step_token_starts

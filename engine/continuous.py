@@ -1,8 +1,8 @@
-"""Continuous batching for HFSampler (engine/sampler.py): a full decode batch until the last row.
+"""The continuous decode loop (HFSampler(continuous=True), the default): a full decode batch until the last row.
 
-The static loop decodes fixed batches: a row that ends leaves, no row takes its place, and each batch runs at
-shrinking width until its longest row ends (vines differ a lot in length: a state-0 vine writes the whole answer, a
-last-state vine one line). Here, as in vLLM's scheduler, rows are admitted as others finish:
+The static loop (engine/static.py) decodes fixed batches: a row that ends leaves, no row takes its place, and each
+batch runs at shrinking width until its longest row ends (vines differ a lot in length: a state-0 vine writes the
+whole answer, a last-state vine one line). Here, as in vLLM's scheduler, rows are admitted as others finish:
 
 - Rows wait in queues, one per distinct sequence (parent), each row a state's prefix, its budget and its noise key.
   A free slot takes the next row of the parent with the fewest rows decoding (decode_attention pads every parent's
@@ -27,6 +27,10 @@ last-state vine one line). Here, as in vLLM's scheduler, rows are admitted as ot
 - When a request's rows are all done, on_done(request, samples) is called at once; the requests it returns join the
   queues in the same step (values.py: a state's next round of vines, with no barrier).
 
+decode_continuous runs the loop; it takes the Workspace (engine/workspace.py: the model, its caches, prefill, timing),
+the StopRule (engine/rows.py) and its own settings as keywords. The rest are its steps: enqueue, to_prefill,
+first_tokens, next_row, draw, record_finished (with finish), sort_by_age.
+
 Shapes: B = decode slots, b = rows sampled together (those just admitted, or the live ones), P = pool places,
 W = pool width, V = vocab, hidden = the model's width, L = layers, Hkv = KV heads, Ws = the longest budget,
 D = head dim.
@@ -40,7 +44,9 @@ from functools import partial
 import torch
 
 from engine.decoding import decode_attention, decoder_forward, next_tokens, prefix_layout, suffix_layout
-from sampling import Request, cut_at_stop
+from engine.rows import StopRule, distinct_sequences, show_progress
+from engine.workspace import Workspace, prefix_ends
+from sampling import Request
 
 
 @dataclass
@@ -72,22 +78,6 @@ class Schedule:
     open: dict = field(default_factory=dict)  # request number -> [request, rows not done, samples]
     made: int = 0  # requests so far
     rows: int = 0  # rows so far
-
-
-def distinct_sequences(sequences, prefix_lens, *, states: list[int], reuse: bool):
-    """The parents of `states`: each distinct sequence once (every state its own if not reuse), with the longest
-    prefix of it that a state needs. Returns (parent of each state (a dict), parents' tokens, needed lengths)."""
-    index, parent_of, parents = {}, {}, []
-    for i in states:
-        key = tuple(sequences[i]) if reuse else i
-        if key not in index:
-            index[key] = len(parents)
-            parents.append(list(sequences[i]))
-        parent_of[i] = index[key]
-    need = [0] * len(parents)
-    for i in states:
-        need[parent_of[i]] = max(need[parent_of[i]], prefix_lens[i])
-    return parent_of, parents, need
 
 
 def enqueue(schedule: Schedule, requests: list[Request], *, prefix_lens, budgets):
@@ -144,21 +134,13 @@ def finish(schedule: Schedule, row: Row, sample, *, on_done) -> list[Request]:
     return on_done(entry[0], entry[2])
 
 
-def show_progress(bar, *, tokens: int, rows: int):
-    """A tqdm bar counting rows, with the tokens generated so far and their rate (redraws at most every 0.1 s)."""
-    bar.tokens = getattr(bar, "tokens", 0) + tokens
-    bar.set_postfix_str(f"{bar.tokens} tokens, {bar.tokens / max(bar.format_dict['elapsed'], 1e-3):.0f} tok/s",
-                        refresh=False)
-    bar.update(rows)
-
-
-def draw(sampler, rows: list[Row], hidden: torch.Tensor, *, temperature, top_p) -> None:
+def draw(work: Workspace, rows: list[Row], hidden: torch.Tensor, *, temperature, top_p) -> None:
     """Sample each row's next token from its hidden state (b, hidden), at its own step, and append it (and its
     log-prob) to the row; nothing else."""
-    device, V = hidden.device, sampler.model.lm_head.weight.shape[0]
-    logits = sampler.buffer("logits", (len(rows), V))  # (b, V), refilled every step
-    scratch = sampler.buffer("logits_fp32", (min(len(rows), 64), V), dtype=torch.float32)  # (chunk, V) sampling
-    tokens, logprobs = next_tokens(sampler.model, hidden, rows=torch.tensor([r.key for r in rows], device=device),
+    device, V = hidden.device, work.vocab
+    logits = work.buffer("logits", (len(rows), V))  # (b, V), refilled every step
+    scratch = work.buffer("logits_fp32", (min(len(rows), 64), V), dtype=torch.float32)  # (chunk, V) sampling
+    tokens, logprobs = next_tokens(work.model, hidden, rows=torch.tensor([r.key for r in rows], device=device),
                                    seed=torch.tensor([r.seed for r in rows], device=device),
                                    step=torch.tensor([len(r.ids) for r in rows], device=device),
                                    temperature=temperature, top_p=top_p, logits=logits, scratch=scratch)  # (b,), (b,)
@@ -167,33 +149,31 @@ def draw(sampler, rows: list[Row], hidden: torch.Tensor, *, temperature, top_p) 
         row.logprobs.append(logp)
 
 
-def settle(sampler, schedule: Schedule, rows: list[Row], *, on_done, prefix_lens, budgets, bar):
+def record_finished(stop: StopRule, schedule: Schedule, rows: list[Row], *, on_done, prefix_lens, budgets, bar):
     """Rows that have just got a token: those that finish are recorded, and the requests their on_done asks for
     are queued."""
     finished = 0
     for row in rows:
-        if sampler.finished(row.ids, row.budget):
+        if stop.finished(row.ids, row.budget):
             row.done, finished = True, finished + 1
-            sample = cut_at_stop(row.ids, logprobs=row.logprobs, tokenizer=sampler.tokenizer,
-                                 stop_ids=sampler.stop_ids, stop_strings=sampler.stop_strings, limit=row.budget)
+            sample = stop.cut(row.ids, row.logprobs, row.budget)
             enqueue(schedule, finish(schedule, row, sample, on_done=on_done), prefix_lens=prefix_lens,
                     budgets=budgets)
     bar.total = schedule.rows
     show_progress(bar, tokens=len(rows), rows=finished)
 
 
-def first_tokens(sampler, schedule: Schedule, cache: dict, *, chunk: int, temperature, top_p):
+def first_tokens(work: Workspace, schedule: Schedule, cache: dict, *, chunk: int, temperature, top_p):
     """Draw the first token of every queued row whose parent is in the pool and that has none yet, from its prefix's
     last hidden state, `chunk` rows per pass of lm_head: a few passes for all K vines of all states, rather than
     one per decoding step that admits rows. A row's first token depends only on that state and its noise (seed,
     key, step 0), so drawing it early changes nothing but the count of passes."""
     todo = [entry[-1] for p in schedule.place for entry in schedule.queues[p] if not entry[-1].ids]
-    W = cache["width"]
     for i in range(0, len(todo), chunk):
         rows = todo[i:i + chunk]
-        hidden = torch.stack([cache["hidden"][schedule.place[r.parent], W - cache["lens"][schedule.place[r.parent]]
-                                              + r.prefix_len - 1] for r in rows])  # (b, hidden) last prefix position
-        draw(sampler, rows, hidden, temperature=temperature, top_p=top_p)
+        places = [schedule.place[r.parent] for r in rows]
+        hidden = prefix_ends(cache, places, [r.prefix_len for r in rows])  # (b, hidden) each prefix's last position
+        draw(work, rows, hidden, temperature=temperature, top_p=top_p)
 
 
 def sort_by_age(batch: list[Row], suffix_keys: torch.Tensor, suffix_values: torch.Tensor) -> list[Row]:
@@ -219,31 +199,35 @@ def sort_by_age(batch: list[Row], suffix_keys: torch.Tensor, suffix_values: torc
     return [batch[b] for b in order]
 
 
-def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_done, temperature, top_p, bar):
-    """Sample `requests` (and whatever on_done adds) with continuous batching: see the module's docstring."""
+def decode_continuous(work: Workspace, stop: StopRule, *, sequences, prefix_lens, budgets, requests: list[Request],
+                      on_done, temperature, top_p, bar, batch_size: int, group_tokens: int, reuse_prefixes: bool,
+                      resort_every: int, suffix_block: int):
+    """Sample `requests` (and whatever on_done adds) with continuous batching: see the module's docstring. Settings:
+    batch_size decode slots; a pool of ~group_tokens prefilled tokens; reuse_prefixes (False: every state its own
+    parent); rows sorted by age every resort_every steps (0: never); suffix read in blocks of suffix_block slots."""
     if not requests:
         return
     parent_of, parents, need = distinct_sequences(sequences, prefix_lens, states=list(range(len(sequences))),
-                                                  reuse=sampler.reuse_prefixes)
+                                                  reuse=reuse_prefixes)
     order = sorted(range(len(parents)), key=lambda p: need[p])
     rank = [0] * len(parents)
     for r, p in enumerate(order):
         rank[p] = r
     W = max(need)
-    P = min(len(parents), max(1, math.ceil(sampler.group_tokens / W)))
+    P = min(len(parents), max(1, math.ceil(group_tokens / W)))
     schedule = Schedule(parent_of=[parent_of[i] for i in range(len(sequences))], rank=rank, window=P,
                         queues=[[] for _ in parents], free=list(range(P)), users=[0] * len(parents))
     enqueue(schedule, requests, prefix_lens=prefix_lens, budgets=budgets)
-    cfg = sampler.model.config
-    G = cfg.num_attention_heads // cfg.num_key_value_heads
-    B = min(sampler.batch_size, schedule.rows)  # slots: no more than the first requests' rows (in vine_rewards a
+    G = work.heads_per_kv
+    B = min(batch_size, schedule.rows)  # slots: no more than the first requests' rows (in vine_rewards a
     # state has one round in flight at a time, so its later rounds never have more rows in flight than the first)
-    cache = sampler.prefix_cache(P, W)
-    suffix_keys, suffix_values = sampler.suffix_cache(B, max(budgets))  # (L, B, Hkv, D, Ws), (L, B, Hkv, Ws, D)
-    sample = partial(draw, sampler, temperature=temperature, top_p=top_p)
-    record = partial(settle, sampler, schedule, on_done=on_done, prefix_lens=prefix_lens, budgets=budgets, bar=bar)
+    cache = work.prefix_cache(P, W)
+    suffix_keys, suffix_values = work.suffix_cache(B, max(budgets))  # (L, B, Hkv, D, Ws), (L, B, Hkv, Ws, D)
+    sample = partial(draw, work, temperature=temperature, top_p=top_p)
+    record = partial(record_finished, stop, schedule, on_done=on_done, prefix_lens=prefix_lens, budgets=budgets,
+                     bar=bar)
     batch, layout, device = [], None, cache["keys"].device  # batch[b]: the row in slot b of the suffix cache
-    started, prefill_before = time.perf_counter(), sampler.timing["prefill_s"]
+    started, prefill_before = time.perf_counter(), work.timing["prefill_s"]
     steps = 0
     while True:
         # 1. Admit: prefill the parents of waiting rows into free places, draw the first token of their queued rows
@@ -251,14 +235,12 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
         changed, admitted = False, True
         while admitted:
             if new_parents := to_prefill(schedule):
-                t0 = time.perf_counter()
-                sampler.prefill([parents[p][:need[p]] for p, _ in new_parents], cache=cache,
-                                places=[place for _, place in new_parents])
+                work.prefill([parents[p][:need[p]] for p, _ in new_parents], cache=cache,
+                             places=[place for _, place in new_parents])  # its seconds go to timing["prefill_s"]
                 schedule.place.update(new_parents)
-                sampler.timing["prefill_s"] += time.perf_counter() - t0
             admitted, free = [], [b for b, row in enumerate(batch) if row.done] + list(range(len(batch), B))
             if free:
-                first_tokens(sampler, schedule, cache, chunk=B, temperature=temperature, top_p=top_p)
+                first_tokens(work, schedule, cache, chunk=B, temperature=temperature, top_p=top_p)
             for b in free:
                 if (row := next_row(schedule)) is None:
                     break
@@ -280,7 +262,7 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
                     suffix_keys[:, new], suffix_values[:, new] = suffix_keys[:, old], suffix_values[:, old]
             batch, live, changed = [batch[b] for b in live], list(range(len(live))), True
         steps += 1
-        if sampler.resort_every and steps % sampler.resort_every == 0:
+        if resort_every and steps % resort_every == 0:
             batch, changed = sort_by_age(batch, suffix_keys, suffix_values), True
             live = [b for b, row in enumerate(batch) if not row.done]
         if changed:
@@ -292,9 +274,9 @@ def decode_continuous(sampler, *, sequences, prefix_lens, budgets, requests, on_
         attend = partial(decode_attention, prefix=layout, prefix_keys=cache["keys"], prefix_values=cache["values"],
                          suffix_keys=suffix_keys[:, :len(batch)], suffix_values=suffix_values[:, :len(batch)],
                          suffix=suffix_layout([len(r.ids) - 1 for r in batch], device=device,
-                                              block=sampler.suffix_block))
-        hidden = decoder_forward(sampler.model, ids=ids, positions=positions, attend=attend)[:, -1]  # (B, hidden)
+                                              block=suffix_block))
+        hidden = decoder_forward(work.model, ids=ids, positions=positions, attend=attend)[:, -1]  # (B, hidden)
         live_rows = [batch[b] for b in live]
         sample(live_rows, hidden[live] if len(live) < len(batch) else hidden)
         record(live_rows)
-    sampler.timing["decode_s"] += time.perf_counter() - started - (sampler.timing["prefill_s"] - prefill_before)
+    work.timing["decode_s"] += time.perf_counter() - started - (work.timing["prefill_s"] - prefill_before)

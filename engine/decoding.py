@@ -1,6 +1,6 @@
 """Fast decoding on a CPU, as pure functions: the decoder with a preallocated KV cache, attention that reads a shared
-prefix once for all the rows continuing it, and seeded top-p sampling. engine.HFSampler drives them, in fp32 or
-bf16: weights and the prefill cache in the sampler's dtype; the softmax, the generated tokens' cache and sampling in
+prefix once for all the rows continuing it, and seeded top-p sampling. The decode loops (engine/static.py,
+engine/continuous.py) drive them, in fp32 or bf16: weights and the prefill cache in the sampler's dtype; the softmax, the generated tokens' cache and sampling in
 fp32.
 
 - decoder_forward runs the model's own modules (Llama family: pre-norm, RoPE, grouped-query attention), with the

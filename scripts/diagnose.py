@@ -24,8 +24,8 @@ import torch
 
 from checkpoint import load_value_head
 from data import encode_prompt, load_split
-from model import load_model, load_tokenizer, new_value_head, pick_dtype
 from engine import HFSampler
+from model import load_model, load_tokenizer, new_value_head, pick_dtype
 from values import mc_rollouts, round_sizes, split_steps, step_token_starts
 
 
@@ -185,7 +185,7 @@ def main():
     rollout = dict(sampler=sampler, sequences=[s["prompt"] + s["prefix"] for s in states],
                    prefix_lens=[len(s["prompt"]) + len(s["prefix"]) for s in states],
                    prompt_lens=[len(s["prompt"]) for s in states], answers=[s["answer"] for s in states],
-                   dataset=args.dataset, temperature=args.temperature, top_p=args.top_p,
+                   grader=args.dataset, temperature=args.temperature, top_p=args.top_p,
                    max_new_tokens=args.max_new_tokens)
     truth_scores, _ = mc_rollouts(K=args.ground_truth, seed=args.seed + 1, **rollout)
     mc_scores, _ = mc_rollouts(K=max(ks), seed=args.seed + 2, **rollout)  # fresh samples, independent of the truth

@@ -15,9 +15,9 @@ import torch
 
 from advantages import gae, group_baseline_advantages, step_rewards
 from data import encode_prompt, load_split
+from engine import HFSampler
 from grader import grade
 from model import load_model, load_tokenizer
-from engine import HFSampler
 from values import estimate_values, step_token_starts
 
 
