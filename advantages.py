@@ -9,11 +9,16 @@ The baselines of the paper's comparison, all feeding the same PPO update (`--est
     grpo:   one advantage per response, (r - mean) / std over the prompt's group  -> group_baseline_advantages
     rloo:   one advantage per response, r minus the mean of the group's others    -> group_baseline_advantages
 
-Shapes: T = steps of one response, L = tokens of one response, N = all response tokens of a batch.
+Sections 4 and 5 of train.py are `values_for` and `advantages_for`: the only places that branch on --estimator.
+
+Shapes: T = steps of one response, L = tokens of one response, N = all response tokens of a batch, B = responses of a
+batch, R = response columns (right-padded).
 """
 import torch
 
 import dist
+from ppo import batch_logprobs, pad_rows
+from values import estimate_values, step_token_starts, token_step_index
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, *, gamma: float, lam: float) -> torch.Tensor:
@@ -83,3 +88,48 @@ def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
     mean = total / n
     std = ((squares - n * mean ** 2).clamp(min=0) / (n - 1)).sqrt() if n > 1 else torch.tensor(1.0)
     return [((a - mean) / (std + 1e-8)).float() for a in advantages]
+
+
+def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P: int, micro: list, sampler, scorer,
+               tokenizer, cfg, seed: int):
+    """train.py's section 4. vine: split every response into steps and estimate the value of the state before each
+    step from K vines (values.estimate_values). critic: the value head's value of every response token, from the
+    same forward pass as the policy's old log-probs (kept in `batch` for the update). grpo / rloo: no values.
+    Returns (values, step starts (vine) or None, stats for the metrics line)."""
+    if estimator == "vine":
+        starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task=cfg.task, split=cfg.step_split)
+                  for s in episodes.samples]
+        values, stats = estimate_values(
+            sampler=sampler, prompts=episodes.prompts, responses=episodes.responses, step_starts=starts,
+            rewards=rewards, answers=episodes.answers, grader=cfg.grader, K=cfg.k, temperature=cfg.temperature,
+            top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None,
+            seed=seed, k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci)
+        stats["steps_per_response"] = dist.mean(list(map(len, starts)))
+        stats["value_mean"] = dist.mean([v for vs in values for v in vs[:-1]])
+        return values, starts, stats
+    if estimator == "critic":
+        batch["old_logprobs"], token_values, batch["log_mass"] = batch_logprobs(
+            scorer, batch, P, groups=micro, temperature=cfg.temperature, top_p=cfg.top_p)  # (B, R) each
+        values = [token_values[i, :len(r)] for i, r in enumerate(episodes.responses)]
+        return values, None, {"value_mean": dist.mean(torch.cat(values).tolist())}
+    return None, None, {}
+
+
+def advantages_for(estimator: str, *, values, starts, rewards: list[float], episodes, batch: dict, cfg):
+    """train.py's section 5. vine: GAE over the step values, every token of a step gets its step's advantage.
+    critic: GAE over the token values (and the value targets, into `batch`). grpo / rloo: one advantage per response
+    from its group's rewards. The advantages (whitened over the batch with --whiten) go into batch["advantages"]
+    (B, R); returns the raw ones, one (L,) tensor per response, for the log."""
+    responses, R = episodes.responses, batch["response_mask"].shape[1]
+    if estimator == "vine":
+        token_steps = [token_step_index(len(r), st) for r, st in zip(responses, starts)]
+        advantages = vine_advantages(values=values, rewards=rewards, token_steps=token_steps, gamma=cfg.gamma,
+                                     lam=cfg.lam)
+    elif estimator == "critic":
+        advantages, returns = critic_advantages(values=values, rewards=rewards, gamma=cfg.gamma, lam=cfg.lam)
+        batch["old_values"], batch["returns"] = pad_rows(values, R), pad_rows(returns, R)  # (B, R) each
+    else:
+        advantages = group_baseline_advantages(rewards=rewards, groups=episodes.groups,
+                                               lengths=list(map(len, responses)), kind=estimator)
+    batch["advantages"] = pad_rows(whiten(advantages) if cfg.whiten else advantages, R)  # (B, R)
+    return advantages

@@ -81,6 +81,21 @@ def load_tensors(path: Path, what: str):
         raise SystemExit(f"error: {path}: not {what} this program wrote; refusing to load it ({first[:160]})") from None
 
 
+def open_run(out_dir: Path, *, resume: bool, overwrite: bool, compare) -> tuple[Path | None, dict | None]:
+    """The checkpoint to resume, if any (rank 0 alone tidies the folder: prepare_out_dir; every rank gets the answer),
+    and its trainer state. compare(saved config) -> (run-defining differences, other differences): a defining one is
+    a one-line error, the others are applied and printed."""
+    source = dist.broadcast(prepare_out_dir(out_dir, resume=resume, overwrite=overwrite) if dist.rank() == 0 else None)
+    state = load_trainer_state(source) if source else None
+    if state:
+        defining, changed = compare(state["config"])
+        if defining:
+            raise SystemExit(f"error: --resume: flags that define the run differ from {source}'s: {'; '.join(defining)}")
+        if changed:
+            dist.print0(f"resume: applying changed flags: {'; '.join(changed)}")
+    return source, state
+
+
 def load_trainer_state(source: Path) -> dict:
     """trainer_state.pt of a checkpoint, without running code."""
     return load_tensors(source / "trainer_state.pt", "a trainer state")
@@ -170,6 +185,24 @@ def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head
     dist.barrier()
 
 
+class Saver:
+    """When to save and what: remembers the state after the last completed iteration (`note`), which a checkpoint at
+    the cadence, a stop signal or Ctrl-C then saves (`save`). `parts`: save_checkpoint's scorer, policy, value_head,
+    tokenizer, optimizer, scheduler and cfg."""
+
+    def __init__(self, out_dir: Path, *, rng, completed: int, train_seconds: float, **parts):
+        self.out_dir, self.rng, self.parts = out_dir, rng, parts
+        self.note(completed, train_seconds)
+
+    def note(self, completed: int, train_seconds: float):
+        self.completed, self.train_seconds = completed, train_seconds
+        self.python_rng, self.torch_rng = self.rng.getstate(), torch.get_rng_state()
+
+    def save(self):
+        save_checkpoint(self.out_dir, iteration=self.completed, python_rng=self.python_rng, torch_rng=self.torch_rng,
+                        train_seconds=self.train_seconds, **self.parts)
+
+
 def pause_point(name: str, iteration: int):
     """Test hook for the crash tests: with VINEPPO_PAUSE_AT=name:iteration, print and wait here until killed or
     signalled (a signal is then handled as anywhere else). Not in a worker that torchrun has restarted."""
@@ -206,6 +239,10 @@ class GracefulStop:
 
     def release(self):
         self.holding = False
+
+    def any_rank(self) -> bool:
+        """Whether any rank has been signalled (under torchrun all ranks then stop together)."""
+        return dist.all_sum(torch.tensor([float(self.requested is not None)]))[0].item() > 0
 
     def exit_code(self) -> int:
         return 128 + (self.requested or signal.SIGINT)

@@ -3,6 +3,8 @@ derived values computed and every value checked right after parsing; and what ma
 """
 import argparse
 import dataclasses
+import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +12,8 @@ from pathlib import Path
 from data import SPLITS, dataset_problem, load_split, task_of
 from grader import grader_of, is_number
 from model import DEFAULT_MODEL, model_problem, pick_device
-from monitor import TRACKERS, tracker_missing
+
+TRACKERS = ("none", "tensorboard", "wandb")
 
 
 def arg(default, help, **kwargs):
@@ -31,8 +34,9 @@ class Config:
     data_dir: str | None = arg(None, "gsm8k, math: a folder with <dataset>/{train,test}.jsonl, or hub (the Hugging "
                                      "Face Hub's copies); else $VINEPPO_DATA_DIR, else the copy shipped in data/")
     model: str = arg(DEFAULT_MODEL, "Hub id (offline: from the Hugging Face cache), local HF folder or .gguf file")
-    prompt_format: str = arg("chat", "chat: the model's chat template; sft: the paper's '[MATH_TASK] Problem:' format",
-                             choices=["chat", "sft"])
+    prompt_format: str = arg("chat", "chat: the model's chat template; sft: the paper's '[MATH_TASK] Problem:' format; "
+                                     "plain: the question and a newline (a model without a template)",
+                             choices=["chat", "sft", "plain"])
     out_dir: str | None = arg(None, "where metrics.jsonl and checkpoints go (default "
                                     "runs/<dataset>-<estimator>-k<K>-s<seed>, a folder --dataset by its name)")
     seed: int = arg(0, "random seed (prompt order, sampling, minibatches)")
@@ -95,6 +99,8 @@ class Config:
                                  "freed), woken for the weight push and for generation")
     gen_batch_size: int = arg(256, "rows per generation batch (transformers samplers)")
     device: str = arg("auto", "auto, cpu or cuda")
+    threads: int = arg(0, "CPU threads for torch's ops (0: torch's default, every core); 1 suits a tiny model, whose "
+                          "ops are too small to share out (on a busy machine more threads can be far slower)")
     dtype: str = arg("auto", "compute dtype of training (autocast), the sampler and the reference; master weights and "
                              "AdamW stay fp32. auto: bf16 on CUDA and on CPUs with native bf16 (avx512_bf16 / AMX), "
                              "else fp32", choices=["auto", "float32", "bfloat16"])
@@ -108,6 +114,7 @@ class Config:
                             "(off: DDP, every rank holds them all)")
     # Derived from --dataset by parse_config, not a flag: whose rules apply (data source, step splitting, defaults).
     task: str | None = field(default=None, metadata=dict(derived=True))  # gsm8k, math, arith, or custom: a folder
+    total_steps: int | None = field(default=None, metadata=dict(derived=True))  # optimizer steps of the whole run
 
 
 def parse_dataclass(cls, argv=None, *, description: str | None = None):
@@ -158,7 +165,7 @@ def parse_config(argv=None) -> Config:
         if getattr(cfg, name) is None:
             setattr(cfg, name, paper if gpu else cpu)
     if cfg.iterations is None:
-        cfg.iterations = {"gsm8k": 650, "math": 1000, "arith": 200, "custom": 650}[cfg.task]
+        cfg.iterations = {"gsm8k": 650, "math": 1000, "arith": 200, "chain": 100, "custom": 650}[cfg.task]
     if cfg.lam is None:
         cfg.lam = 1.0 if cfg.estimator == "critic" else 0.0
     cfg.value_lr = cfg.lr if cfg.value_lr is None else cfg.value_lr
@@ -202,6 +209,8 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--k-ci must be above 0 (got {cfg.k_ci})")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
+    if cfg.threads < 0:
+        parser.error(f"--threads must be 0 (torch's default) or above (got {cfg.threads})")
     if not cfg.temperature > 0:
         parser.error(f"--temperature must be above 0: rollouts and vines are sampled (got {cfg.temperature})")
     check_sampling_and_resume(parser, cfg)
@@ -220,9 +229,16 @@ def parse_config(argv=None) -> Config:
     problem = model_problem(cfg.model)  # last: offline, a Hub id may take the Hub's 3 s check
     if problem:
         parser.error(f"--model {cfg.model}: {problem}")
+    cfg.total_steps = cfg.iterations * cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt /
+                                                              cfg.minibatch_size)  # the lr schedule's length
     return cfg
 
 
+def tracker_missing(kind: str) -> str | None:
+    """Why --track `kind` cannot run here, or None (checked at parse time, before anything is written)."""
+    if kind != "none" and importlib.util.find_spec(kind) is None:  # the package is named like the tracker
+        return f"--track {kind} needs the `{kind}` package (pip install {kind})"
+    return None
 
 
 def unwritable(path: Path) -> str | None:
@@ -243,7 +259,7 @@ RUN_DEFINING = ("dataset", "grader", "estimator", "model", "prompt_format", "see
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
                 "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
                 "k_max", "k_ci")
-NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track", "task")  # task follows from dataset
+NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track", "task", "total_steps")  # derived
 
 
 def config_changes(saved: dict, cfg: Config) -> tuple[list[str], list[str]]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from grader import extract_boxed, grader_of
 from model import cache_dir, hub_reachable
 
-DATASETS = ("gsm8k", "math", "arith")
+DATASETS = ("gsm8k", "math", "arith", "chain")
 SPLITS = ("train", "test")
 SHIPPED = Path(__file__).resolve().parent / "data"  # the copies shipped with the code (data/README.md)
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
@@ -163,18 +163,19 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
                arith_max: int = 20, arith_size: int = 5000) -> list[dict]:
     """Examples ({"question", "answer", "solution"}) of one split. gsm8k, math: from `data_dir` (or
     $VINEPPO_DATA_DIR) if given, "hub" meaning the Hub, else the shipped copy. A folder of your own: its
-    <split>.jsonl. arith: generated (the test split is the first 500 problems of its own seed that are not in train)."""
+    <split>.jsonl. arith, chain: generated (the test split is the first 500 problems of its own seed that are not in
+    train)."""
     problem = dataset_problem(dataset)
     if problem or split not in SPLITS:
         raise SystemExit(f"error: --dataset {dataset}: {problem}" if problem else
                          f"error: unknown split {split} (choose from {SPLITS})")
-    if dataset == "arith":
-        train = make_arith(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
+    if dataset in ("arith", "chain"):
+        make = make_arith if dataset == "arith" else make_chain
+        train = make(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
         if split == "train":
             return train
         seen = {e["question"] for e in train}
-        return [e for e in make_arith(4 * 500, seed=1, ops=arith_ops, max_number=arith_max)
-                if e["question"] not in seen][:500]
+        return [e for e in make(4 * 500, seed=1, ops=arith_ops, max_number=arith_max) if e["question"] not in seen][:500]
     if task_of(dataset) == "custom":
         return read_jsonl(Path(dataset).expanduser() / f"{split}.jsonl", dataset="custom")
     data_dir = data_dir or os.environ.get("VINEPPO_DATA_DIR")
@@ -183,6 +184,14 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
     if data_dir == "hub":
         return hub_split(dataset, split)
     return read_jsonl(find_local_file(data_dir, dataset=dataset, split=split), dataset=dataset)
+
+
+def load_splits(dataset: str, *, data_dir: str | None, arith_ops: int, arith_max: int,
+                eval_size: int) -> tuple[list[dict], list[dict]]:
+    """(the train split, the first eval_size problems of the test split): what train.py and sft.py work on."""
+    train, test = (load_split(dataset, split, data_dir=data_dir, arith_ops=arith_ops, arith_max=arith_max)
+                   for split in ("train", "test"))
+    return train, test[:eval_size]
 
 
 def write_cache(path: Path, rows: list[dict]):
@@ -197,7 +206,9 @@ def write_cache(path: Path, rows: list[dict]):
 def make_prompt(question: str, *, grader: str, tokenizer, prompt_format: str = "chat") -> str:
     """The prompt text. "chat": the model's chat template asking for one step per line and the final answer the way
     the grader finds it (`grader`: a data set's name, or a grader's: number, math); "sft": the paper's plain
-    template for its SFT checkpoints."""
+    template for its SFT checkpoints; "plain": the question as it is and a newline (the from-scratch testbed)."""
+    if prompt_format == "plain":
+        return question + "\n"
     if prompt_format == "sft" or getattr(tokenizer, "chat_template", None) is None:
         return SFT_TEMPLATE.format(question=question)
     message = f"{CHAT_INSTRUCTION[grader_of(grader)]}\n\nProblem: {question}"
@@ -248,4 +259,17 @@ def make_arith(count: int, *, seed: int, ops: int, max_number: int) -> list[dict
         question = " ".join(sentences) + f" How many {item} does {name} have now?"
         examples.append({"question": question, "answer": str(value),
                          "solution": "\n".join(steps) + f"\n#### {value}"})
+    return examples
+
+
+def make_chain(count: int, *, seed: int, ops: int, max_number: int) -> list[dict]:
+    """make_arith's problems (the same numbers for the same seed) written compactly, for the from-scratch testbed:
+    question "13 *3 -3 -30 -4" (the start, then each operation), solution one "a op b = c" line per operation without
+    spaces, then "####N": "13*3=39\n39-3=36\n36-30=6\n6-4=2\n####2"."""
+    examples = []
+    for e in make_arith(count, seed=seed, ops=ops, max_number=max_number):
+        steps = [line.split(" ") for line in e["solution"].split("\n")[:-1]]  # ["13", "*", "3", "=", "39"]
+        question = " ".join([steps[0][0]] + [op + b for _, op, b, _, _ in steps])
+        solution = "\n".join(f"{a}{op}{b}={c}" for a, op, b, _, c in steps) + f"\n####{e['answer']}"
+        examples.append({"question": question, "answer": e["answer"], "solution": solution})
     return examples

@@ -16,9 +16,13 @@ A minibatch whose mean ratio exceeds `max_ratio` (10) is skipped: its samples ar
 With a value head (the PPO-critic baseline), vf_coef x the clipped value loss is added:
     value_loss = 0.5 * max((V - G)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - G)^2)
 
+train.py's section 6 is `policy_update`; `make_optimizer` builds AdamW and its schedule (lr_factor) for train.py
+and sft.py alike.
+
 Shapes: B = episodes, P = prompt columns (left-padded), R = response columns (right-padded), T = P + R.
 """
 import math
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -162,11 +166,13 @@ def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: lis
     scorer.train()
     per = max(1, minibatch_size // len(groups[0]))
     minibatches = [groups[i:i + per] for i in range(0, len(groups), per)]
-    totals, steps, skipped = {}, 0, 0
+    totals, steps, skipped, first_half = {}, 0, 0, None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     bar = tqdm(total=epochs * len(minibatches), desc="ppo", leave=False, disable=dist.rank() > 0)
     for _ in range(epochs):
         for m in torch.randperm(len(minibatches), generator=generator).tolist():
             bar.update()
+            halves = steps == 0 and skipped == 0 and len(minibatches[m]) >= 2 and not dist.active()  # grad_cosine
             local_tokens = sum(batch["response_mask"][idx].sum() for idx in minibatches[m])
             n_tokens = dist.all_sum(torch.tensor([float(local_tokens)]))[0].clamp(min=1).item()  # over all ranks
             acc = {}
@@ -187,6 +193,8 @@ def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: lis
                         stats.update(v_stats)
                     weight = mb["response_mask"].sum().item() / n_tokens  # token-mean over the global minibatch
                     (loss * weight * dist.world()).backward()
+                if halves and j == len(minibatches[m]) // 2 - 1:  # the first half of the first step's micro-batches
+                    first_half = flat_grad(params)
                 stats["entropy"] = ((entropy * mb["response_mask"]).sum() / mb["response_mask"].sum().clamp(min=1)).item()
                 stats["loss"] = loss.item()
                 for k, v in stats.items():
@@ -196,7 +204,8 @@ def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: lis
                 optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 continue
-            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if halves:
+                acc["grad_cosine"] = half_cosine(first_half, flat_grad(params))
             acc["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
             optimizer.step()
             scheduler.step()
@@ -205,6 +214,64 @@ def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: lis
             for k, v in acc.items():
                 totals[k] = totals.get(k, 0.0) + v
     bar.close()
-    out = {k: v / max(steps, 1) for k, v in totals.items()}
+    out = {k: v / max(steps, 1) for k, v in totals.items() if k != "grad_cosine"}
+    if "grad_cosine" in totals:
+        out["grad_cosine"] = totals["grad_cosine"]  # of the first step only
     out.update(optimizer_steps=steps, skipped=skipped)
     return out
+
+
+def flat_grad(params) -> torch.Tensor:
+    """All parameters' gradients as one fp32 vector (zeros where a parameter has none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+                      for p in params])
+
+
+def half_cosine(first: torch.Tensor, both: torch.Tensor) -> float:
+    """The cosine between the gradient of the first half of a minibatch (`first`) and of its second half (`both` -
+    `first`): near 1 when the two halves agree on the direction (signal), near 0 when each follows its own samples
+    (noise). train.py logs it for the first optimizer step of every iteration as grad_cosine."""
+    second = both - first
+    return (first @ second / (first.norm() * second.norm()).clamp(min=1e-30)).item()
+
+
+def lr_factor(step: int, *, warmup: int, total: int, decay: bool = True) -> float:
+    """Linear warmup to 1 over `warmup` steps, then linear decay to 0 at `total` (or constant 1 without decay)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup)) if decay else 1.0
+
+
+def make_optimizer(param_groups: list[dict], *, weight_decay: float, total_steps: int, warmup_ratio: float,
+                   decay: bool = True):
+    """AdamW (fused: one kernel for all parameters, bench/adamw.py) over fp32 master weights, and its schedule:
+    warmup over warmup_ratio x total_steps optimizer steps, then linear decay to 0 (or constant without decay)."""
+    optimizer = torch.optim.AdamW(param_groups, weight_decay=weight_decay, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(lr_factor, warmup=math.ceil(warmup_ratio * total_steps), total=total_steps, decay=decay))
+    return optimizer, scheduler
+
+
+def policy_update(scorer, reference_scorer, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor],
+                  sampler_logprobs: list[list[float]], cfg) -> dict:
+    """train.py's section 6: the log-probs of the sampling policy (unless the critic's pass left them in `batch`) and
+    of the reference, then the clipped updates (ppo_update). The sampler computed its own log-probs of the same
+    tokens: their gap is measured (mismatch_*) and, with --tis-cap, corrected. Returns the update's stats and the
+    mismatch's, means over all ranks."""
+    if "old_logprobs" not in batch:
+        batch["old_logprobs"], _, batch["log_mass"] = batch_logprobs(scorer, batch, P, groups=groups,
+                                                                     temperature=cfg.temperature, top_p=cfg.top_p)
+    log_mass = batch.pop("log_mass")  # (B, R)
+    batch["ref_logprobs"], _, _ = batch_logprobs(reference_scorer, batch, P, groups=groups, temperature=cfg.temperature)
+    mask = batch["response_mask"]  # (B, R)
+    sampled = pad_rows([torch.tensor(lps) for lps in sampler_logprobs], mask.shape[1])  # (B, R) the sampler's
+    trainer_sampled = batch["old_logprobs"] - log_mass  # (B, R) under the distribution sampled from, as the sampler's
+    mismatch = dist.weighted_mean(sampler_mismatch(trainer_logprobs=trainer_sampled, sampler_logprobs=sampled,
+                                                   mask=mask), weight=mask.sum().item())  # token means, all ranks
+    if cfg.tis_cap > 0:
+        batch["tis_weights"] = tis_weights(old_logprobs=trainer_sampled, sampler_logprobs=sampled, cap=cfg.tis_cap)
+    stats = ppo_update(scorer, optimizer, scheduler, batch, P, groups=groups, epochs=cfg.epochs,
+                       minibatch_size=cfg.minibatch_size // dist.world(),  # this rank's share of each step
+                       clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
+                       max_grad_norm=cfg.max_grad_norm, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
+    return {**stats, **mismatch}

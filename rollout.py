@@ -29,14 +29,18 @@ a frozen copy in it (`sampler_model`), which `sync` refreshes from the fp32 mast
 Shapes: B = rows in a batch, P = prompt length (left-padded), V = vocab.
 """
 import inspect
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import dist
+from data import encode_prompt
 from engine import HFSampler
+from grader import grade
 from sampling import (Sample, cut_at_stop, nucleus_log_mass, requests_in_waves, row_seed, sampler_model,
                       sync_weights)
 
@@ -283,3 +287,49 @@ def make_sampler(kind: str, *, policy, tokenizer, dtype: torch.dtype, stop_strin
         return GenerateSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings,
                                batch_size=min(batch_size, 64))
     return HFSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings, batch_size=batch_size)
+
+
+@dataclass
+class Episodes:
+    """One iteration's sampled responses, flattened: entry i of each list is response i."""
+    prompts: list[list[int]]  # the prompt ids of response i's problem
+    samples: list[Sample]
+    answers: list[str]  # the gold answer of its problem
+    groups: list[int]  # the index of its problem in the iteration (GRPO / RLOO compare within a group)
+
+    @property
+    def responses(self) -> list[list[int]]:
+        return [s.token_ids for s in self.samples]
+
+
+def rollouts(sampler, examples: list[dict], *, tokenizer, cfg, seed: int) -> Episodes:
+    """train.py's section 2: cfg.samples_per_prompt responses to every example's prompt from the current policy."""
+    prompts = [encode_prompt(e["question"], grader=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+               for e in examples]
+    groups = sampler.sample(prompts, n=cfg.samples_per_prompt, temperature=cfg.temperature, top_p=cfg.top_p,
+                            max_new_tokens=cfg.max_new_tokens, seed=seed)
+    return Episodes(prompts=[p for p, g in zip(prompts, groups) for _ in g], samples=[s for g in groups for s in g],
+                    answers=[e["answer"] for e, g in zip(examples, groups) for _ in g],
+                    groups=[i for i, g in enumerate(groups) for _ in g])
+
+
+def evaluate(sampler, tokenizer, examples, cfg, *, seed: int, keep: list | None = None) -> tuple[float, float]:
+    """pass@1, the mean correctness of eval_samples samples per test problem at the eval temperature, and its standard
+    error over problems (the sample standard deviation of the problems' means / sqrt(problems)). Under torchrun each
+    rank takes every world-th problem, and both are over all. `keep`, if given, gets this rank's (example, sample,
+    correct) triples, for a closer look (sft.py: where the first wrong line falls)."""
+    examples = examples[dist.rank()::dist.world()]
+    prompts = [encode_prompt(e["question"], grader=cfg.grader, tokenizer=tokenizer, prompt_format=cfg.prompt_format)
+               for e in examples]
+    samples = sampler.sample(prompts, n=cfg.eval_samples, temperature=cfg.eval_temperature, top_p=cfg.top_p,
+                             max_new_tokens=cfg.max_new_tokens, seed=row_seed(seed, -1, dist.rank())) if prompts else []
+    graded = [[(e, s, grade(s.text, e["answer"], grader=cfg.grader, truncated=not s.finished)) for s in group]
+              for e, group in zip(examples, samples)]
+    if keep is not None:
+        keep.extend(triple for problem in graded for triple in problem)
+    means = [sum(c for _, _, c in problem) / len(problem) for problem in graded]  # one per problem
+    n, total, squares = dist.all_sum(torch.tensor([len(means), sum(means), sum(m * m for m in means)],
+                                                  dtype=torch.float64)).tolist()
+    mean = total / max(n, 1)
+    variance = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(max(variance, 0.0) / n) if n > 1 else 0.0

@@ -5,7 +5,7 @@
 Targets: the worked solution (arith: `solution`; gsm8k: the `answer` field, ending "#### N"; math and a folder:
 `solution`) followed by EOS, after the prompt train.py will use (--prompt-format). The loss is the mean negative
 log-likelihood of each instance's target tokens, then the mean over the batch (as in the official repo). AdamW, warmup
-then linear decay (train.lr_factor); pass@1 on the test split before and after (train.evaluate).
+then linear decay (ppo.make_optimizer); pass@1 on the test split before and after (rollout.evaluate).
 
     OUT/config.json, model.safetensors, tokenizer files   the final model (fp32), an HF folder (written last)
     OUT/metrics.jsonl                                     one line per optimizer step ("iteration": the step)
@@ -15,39 +15,43 @@ Under torchrun (`torchrun --nproc_per_node=N sft.py ...`, dist.py) each rank tak
 step, DDP or --fsdp (FSDP2), and rank 0 writes the files; the step is the one a single process takes.
 Shapes: B = instances in a micro-batch, P = prompt length (left-padded), R = target length (right-padded), T = P + R.
 """
-import math
 import os
 import random
 import re
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
 
 import dist
-from checkpoint import GracefulStop, load_trainer_state, prepare_out_dir, repair_metrics, restore, save_checkpoint
+from checkpoint import GracefulStop, Saver, load_trainer_state, prepare_out_dir, repair_metrics, restore
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
-from data import dataset_problem, encode_prompt, load_split, task_of
-from grader import grader_of, is_number
+from data import dataset_problem, encode_prompt, load_split, load_splits, task_of
 from engine import HFSampler
+from grader import grader_of, is_number
 from model import DEFAULT_MODEL, Scorer, load_model, load_tokenizer, model_problem, pick_device, pick_dtype
-from ppo import pad_episodes
+from ppo import make_optimizer, pad_episodes
+from rollout import evaluate
 from runlog import RunLog, due, stop_after_interrupt
-from train import evaluate, lr_factor
+from scratch import new_scratch_model, task_chars
 
 
 @dataclass
 class SFTConfig:
-    dataset: str = arg("arith", "gsm8k, math, arith, or a folder of your own with train.jsonl and test.jsonl (its "
+    dataset: str = arg("arith", "gsm8k, math, arith, chain (arith written compactly, for --model scratch), or a folder of your own with train.jsonl and test.jsonl (its "
                                 "rows need a \"solution\": rows without one are skipped)")
     grader: str = arg("auto", "how pass@1 is graded (as train.py): number, math; auto: by --dataset",
                       choices=["auto", "number", "math"])
-    model: str = arg(DEFAULT_MODEL, "the model to fine-tune: Hub id, local HF folder or .gguf file")
+    model: str = arg(DEFAULT_MODEL, "the model to fine-tune: Hub id, local HF folder or .gguf file; scratch: a new "
+                                    "random-initialised Llama with a character tokenizer of the task (scratch.py)")
+    scratch_layers: int = arg(4, "--model scratch: transformer layers")
+    scratch_width: int = arg(128, "--model scratch: hidden size (the MLP is 4x; embeddings tied)")
+    scratch_heads: int = arg(4, "--model scratch: attention heads (the width must divide by them)")
     prompt_format: str = arg("chat", "as train.py (pass the same one there): chat: the model's chat template; sft: "
-                                     "the paper's '[MATH_TASK] Problem:' format", choices=["chat", "sft"])
+                                     "the paper's '[MATH_TASK] Problem:' format; plain: the question and a newline",
+                             choices=["chat", "sft", "plain"])
     out_dir: str | None = arg(None, "where the fine-tuned HF folder, metrics.jsonl and checkpoints go "
                                     "(default runs/sft-<dataset>-s<seed>)")
     seed: int = arg(0, "random seed (example order, evaluation sampling)")
@@ -63,6 +67,8 @@ class SFTConfig:
     dtype: str = arg("auto", "compute dtype (autocast); master weights and AdamW stay fp32. auto: bf16 where native",
                      choices=["auto", "float32", "bfloat16"])
     device: str = arg("auto", "auto, cpu or cuda")
+    threads: int = arg(0, "CPU threads for torch's ops (0: torch's default, every core); 1 suits a tiny model, whose "
+                          "ops are too small to share out (on a busy machine more threads can be far slower)")
     eval_size: int | None = arg(None, "test problems for pass@1 before and after (default: all on GPU; CPU: 32)")
     eval_samples: int | None = arg(None, "samples per test problem (GPU default: 16; CPU: 4)")
     eval_temperature: float = arg(0.35, "sampling temperature for evaluation; 0: greedy")
@@ -82,7 +88,7 @@ class SFTConfig:
 
 # A resumed run must have these as saved; the others (max-steps, lr, eval flags, ...) may change.
 SFT_DEFINING = ("dataset", "grader", "model", "prompt_format", "seed", "epochs", "batch_size", "max_length",
-                "arith_ops", "arith_max")
+                "arith_ops", "arith_max", "scratch_layers", "scratch_width", "scratch_heads")
 
 
 def parse_sft_config(argv=None) -> SFTConfig:
@@ -102,7 +108,8 @@ def parse_sft_config(argv=None) -> SFTConfig:
     stem = Path(cfg.dataset).expanduser().resolve().name if cfg.task == "custom" else cfg.dataset
     cfg.out_dir = cfg.out_dir or f"runs/sft-{stem}-s{cfg.seed}"
     for name in ("epochs", "batch_size", "micro_batch_size", "max_length", "eval_size", "eval_samples",
-                 "max_new_tokens", "gen_batch_size", "arith_ops", "arith_max", "save_every"):
+                 "max_new_tokens", "gen_batch_size", "arith_ops", "arith_max", "save_every", "scratch_layers",
+                 "scratch_width", "scratch_heads"):
         if getattr(cfg, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
     if cfg.max_steps < 0:
@@ -111,6 +118,8 @@ def parse_sft_config(argv=None) -> SFTConfig:
     if cfg.batch_size % (world * cfg.micro_batch_size):
         parser.error(f"--batch-size ({cfg.batch_size}) must be a multiple of --micro-batch-size "
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
+    if cfg.threads < 0:
+        parser.error(f"--threads must be 0 (torch's default) or above (got {cfg.threads})")
     if not cfg.lr > 0:
         parser.error(f"--lr must be above 0 (got {cfg.lr})")
     if not 0 <= cfg.warmup_ratio < 1:
@@ -119,7 +128,12 @@ def parse_sft_config(argv=None) -> SFTConfig:
     problem = unwritable(Path(cfg.out_dir))
     if problem:
         parser.error(f"--out-dir {cfg.out_dir}: {problem}")
-    problem = model_problem(cfg.model)
+    if cfg.scratch_width % cfg.scratch_heads or (cfg.scratch_width // cfg.scratch_heads) % 2:
+        parser.error(f"--scratch-width ({cfg.scratch_width}) must be an even multiple of --scratch-heads "
+                     f"({cfg.scratch_heads}): each head's width is even (RoPE)")
+    if cfg.model == "scratch" and cfg.prompt_format == "chat":
+        parser.error("--model scratch has no chat template: pass --prompt-format plain (or sft)")
+    problem = None if cfg.model == "scratch" else model_problem(cfg.model)
     if problem:
         parser.error(f"--model {cfg.model}: {problem}")
     return cfg
@@ -213,7 +227,7 @@ def first_wrong_line(response: str, solution: str) -> int:
 
 
 def wrong_line_counts(graded: list[tuple[dict, object, float]]) -> dict[str, int]:
-    """How many wrong samples first leave the gold solution at each line: {"1": n1, "2": n2, ...} (train.evaluate's
+    """How many wrong samples first leave the gold solution at each line: {"1": n1, "2": n2, ...} (rollout.evaluate's
     `keep` triples). A wrong sample whose lines all match the gold (only possible if it goes on after them) is
     counted under "after"."""
     counts = {}
@@ -245,6 +259,8 @@ def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
 
 def main(cfg: SFTConfig):
     device = pick_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     rank, world = dist.init(device)  # (0, 1) without torchrun
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
@@ -263,10 +279,16 @@ def main(cfg: SFTConfig):
             raise SystemExit(f"error: --resume: flags that define the run differ from {source}'s: "
                              f"{'; '.join(defining)}")
     dtype = pick_dtype(cfg.dtype, device)
-    tokenizer = load_tokenizer(cfg.model)
-    splits = {split: load_split(cfg.dataset, split, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
-                                arith_max=cfg.arith_max) for split in ("train", "test")}
-    train_set, test_set = splits["train"], splits["test"][:cfg.eval_size]
+    train_set, test_set = load_splits(cfg.dataset, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
+                                      arith_max=cfg.arith_max, eval_size=cfg.eval_size)
+    model = cfg.model
+    if model == "scratch":  # a new random-initialised model and character tokenizer, saved as an HF folder
+        model = str(out_dir / "init")
+        if rank == 0:
+            new_scratch_model(Path(model), chars=task_chars(train_set + test_set), layers=cfg.scratch_layers,
+                              width=cfg.scratch_width, heads=cfg.scratch_heads, seed=cfg.seed)
+        dist.barrier()
+    tokenizer = load_tokenizer(model)
     pairs, cut = encode_examples(train_set, tokenizer=tokenizer, cfg=cfg)
     if len(pairs) < cfg.batch_size:
         raise SystemExit(f"error: --dataset {cfg.dataset}: {len(pairs)} train rows with a solution, fewer than "
@@ -275,15 +297,14 @@ def main(cfg: SFTConfig):
     total = cfg.max_steps or cfg.epochs * per_epoch
     dist.print0(f"{len(pairs)} train examples ({len(train_set) - len(pairs)} without a solution skipped, {cut} cut "
                 f"to --max-length {cfg.max_length}), {per_epoch} steps per epoch of {cfg.batch_size}; {total} steps")
-    policy = load_model(str(source or cfg.model), device=device, dtype=torch.float32,
+    policy = load_model(str(source or model), device=device, dtype=torch.float32,
                         trust_remote_code=cfg.trust_remote_code)
     stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
     sampler = HFSampler(policy, tokenizer, dtype=dtype, stop_strings=stop_strings, batch_size=cfg.gen_batch_size)
     scorer = dist.wrap(Scorer(policy, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun; before AdamW
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=True)  # one kernel over all parameters: bench/adamw.py
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, partial(lr_factor, warmup=math.ceil(cfg.warmup_ratio * total), total=total))
+    optimizer, scheduler = make_optimizer([{"params": policy.parameters(), "lr": cfg.lr}],
+                                          weight_decay=cfg.weight_decay, total_steps=total,
+                                          warmup_ratio=cfg.warmup_ratio)
     start, train_seconds, rng = 0, 0.0, random.Random(cfg.seed)  # rng: unused, kept for checkpoint.py's format
     if state:
         start, train_seconds = restore(state, scorer=scorer, optimizer=optimizer, scheduler=scheduler, rng=rng,
@@ -292,8 +313,8 @@ def main(cfg: SFTConfig):
             repair_metrics(out_dir / "metrics.jsonl", upto=start)
         dist.print0(f"resumed from {source} at step {start}")
     runlog = RunLog(out_dir, cfg, total=total, first=start, unit="step")  # metrics.jsonl
-    checkpoint = partial(save_checkpoint, out_dir, scorer=scorer, policy=policy, value_head=None, tokenizer=tokenizer,
-                         optimizer=optimizer, scheduler=scheduler, cfg=cfg)
+    saver = Saver(out_dir, rng=rng, completed=start, train_seconds=train_seconds, scorer=scorer, policy=policy,
+                  value_head=None, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, cfg=cfg)
     stop, completed = GracefulStop(), start
     if dist.active():
         stop.hold()  # under torchrun a signal is acted on at a step's end, by all ranks together
@@ -325,14 +346,14 @@ def main(cfg: SFTConfig):
                 record["eval_accuracy"], record["eval_se"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed,
                                                                       keep=graded)
                 record["seconds_eval"] = time.perf_counter() - t1
-                if cfg.task == "arith":  # one operation per line: where the wrong samples first leave the gold
+                if cfg.task in ("arith", "chain"):  # one operation per line: where the wrong samples first leave the gold
                     record["first_wrong_line"] = wrong_line_counts([t for part in dist.all_gather(graded) for t in part])
                     dist.print0(f"first wrong line of the wrong samples (line: count): {record['first_wrong_line']}")
             runlog.write(record)
-            stopping = dist.all_sum(torch.tensor([float(stop.requested is not None)]))[0] > 0  # any rank signalled
+            saver.note(completed, train_seconds)
+            stopping = stop.any_rank()
             if due(completed, every=cfg.save_every, last=total, now=stopping):
-                checkpoint(iteration=completed, python_rng=rng.getstate(), torch_rng=torch.get_rng_state(),
-                           train_seconds=train_seconds)
+                saver.save()
             if not dist.active():
                 stop.release()
             evaluated = f", eval pass@1 {record['eval_accuracy']:.3f} ± {record['eval_se']:.3f}" if (
@@ -343,9 +364,7 @@ def main(cfg: SFTConfig):
             if stopping:
                 sys.exit(stop.exit_code())
     except KeyboardInterrupt:  # a second signal during a step saves nothing (its weights are half-updated)
-        stop_after_interrupt(stop, completed=completed, unit="step", save=partial(
-            checkpoint, iteration=completed, python_rng=rng.getstate(), torch_rng=torch.get_rng_state(),
-            train_seconds=train_seconds))
+        stop_after_interrupt(stop, completed=saver.completed, unit="step", save=saver.save)
     finally:
         runlog.close()
     save_final(out_dir, policy=policy, tokenizer=tokenizer, prompt_format=cfg.prompt_format)

@@ -16,6 +16,7 @@ import dist  # noqa: E402
 from model import Scorer, new_value_head  # noqa: E402
 from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update  # noqa: E402
 from rollout import Sample  # noqa: E402
+from sampling import requests_in_waves  # noqa: E402
 from sft import save_final, sft_step  # noqa: E402
 from values import estimate_values  # noqa: E402
 
@@ -113,6 +114,9 @@ class RecordingSampler:
 
     def __init__(self):
         self.states, self.cost = [], 0
+
+    def sample_requests(self, sequences, prefix_lens, requests, **kwargs):
+        requests_in_waves(self.sample_prefixes, sequences, prefix_lens, requests, **kwargs)
 
     def sample_prefixes(self, sequences, prefix_lens, *, n, temperature, top_p, max_new_tokens, seed=0):
         self.states += [tuple(seq[:L]) for seq, L in zip(sequences, prefix_lens)]

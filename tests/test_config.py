@@ -34,7 +34,7 @@ def one_error_line(argv, capsys) -> str:
     (["--estimator", "rloo", "--samples-per-prompt", "1"],
      "--estimator rloo compares each response with the others of its problem: it needs --samples-per-prompt 2 or more "
      "(got 1)"),
-    (["--dataset", "svamp"], "--dataset svamp: not gsm8k, math, arith, nor a folder holding train.jsonl and test.jsonl"),
+    (["--dataset", "svamp"], "--dataset svamp: not gsm8k, math, arith, chain, nor a folder holding train.jsonl and test.jsonl"),
 ])
 def test_each_bad_flag_is_one_line(argv, message, capsys):
     assert one_error_line(["--device", "cpu", *argv], capsys) == message

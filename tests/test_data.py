@@ -66,7 +66,7 @@ def test_missing_folder_and_offline_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("VINEPPO_CACHE", str(tmp_path / "cache"))
     with pytest.raises(SystemExit, match="drop --data-dir for the shipped copy"):
         load_split("math", "train", data_dir="hub")
-    with pytest.raises(SystemExit, match="not gsm8k, math, arith, nor a folder"):
+    with pytest.raises(SystemExit, match="not gsm8k, math, arith, chain, nor a folder"):
         load_split("svamp", "train", data_dir=str(tmp_path))
 
 

@@ -11,7 +11,8 @@ import torch
 
 from conftest import REPO
 from config import Config, parse_config
-from train import lr_factor, mark_crossed
+from ppo import lr_factor
+from runlog import mark_crossed
 
 
 def test_config_defaults_and_derived_values():
