@@ -89,8 +89,13 @@ def to_example(row: dict, *, dataset: str, where: str) -> dict:
 def read_jsonl(path: Path, *, dataset: str) -> list[dict]:
     """Examples of a local .jsonl (or .jsonl.gz) file; a malformed line stops with `file:line`."""
     examples = []
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"error: {path}:{number}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                 f"{e.start + 1})") from None
             if not line.strip():
                 continue
             try:

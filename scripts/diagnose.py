@@ -29,8 +29,9 @@ from model import load_model, load_tokenizer, new_value_head, pick_dtype
 from values import mc_rollouts, round_sizes, split_steps, step_token_starts
 
 
-def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, max_new_tokens: int,
-                   temperature: float, top_p: float, seed: int, screen: int = 0, chunk: int = 16) -> list[dict]:
+def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, max_new_tokens: int, temperature: float,
+                   top_p: float, seed: int, screen: int = 0, chunk: int = 16,
+                   prompt_format: str = "chat") -> list[dict]:
     """Pairs of sibling states [{"prompt", "prefix", "answer", "pair"}], two per pair, from sampled responses, drawn
     `chunk` test problems at a time (one sampler call for their responses, one for the two continuations of each
     parent). With screen > 0, a pair is kept only if, of `screen` more continuations of each of its states, one
@@ -41,7 +42,8 @@ def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, ma
         if len(states) >= 2 * pairs:
             break
         part = examples[c0:c0 + chunk]
-        prompts = [encode_prompt(e["question"], grader=dataset, tokenizer=tokenizer) for e in part]
+        prompts = [encode_prompt(e["question"], grader=dataset, tokenizer=tokenizer, prompt_format=prompt_format)
+                   for e in part]
         responses = sampler.sample(prompts, n=1, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                    seed=seed + c0)
         parents = []  # (example, prompt, parent tokens): each response cut at one of its step boundaries
@@ -149,7 +151,9 @@ def simulated_rules(truth: list[float], rules: list[str], *, repeats: int, pool:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="a ckpt-* folder of train.py (or any model spec)")
-    parser.add_argument("--dataset", default="arith", choices=["gsm8k", "math", "arith"])
+    parser.add_argument("--dataset", default="arith", choices=["gsm8k", "math", "arith", "chain"])
+    parser.add_argument("--prompt-format", default="chat", choices=["chat", "sft", "plain"],
+                        help="as train.py's (plain for the testbed's from-scratch model)")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--arith-ops", type=int, default=1)
     parser.add_argument("--arith-max", type=int, default=20)
@@ -179,7 +183,8 @@ def main():
     sampler = HFSampler(model, tokenizer, dtype=pick_dtype("auto", torch.device("cpu")))  # bf16 where native
     examples = load_split(args.dataset, "test", data_dir=args.data_dir, arith_ops=args.arith_ops,
                           arith_max=args.arith_max)
-    states = sibling_states(sampler, tokenizer, examples, dataset=args.dataset, pairs=args.pairs,
+    states = sibling_states(sampler, tokenizer, examples, dataset=args.dataset, prompt_format=args.prompt_format,
+                            pairs=args.pairs,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed, screen=args.screen)
     rollout = dict(sampler=sampler, sequences=[s["prompt"] + s["prefix"] for s in states],

@@ -1,0 +1,186 @@
+"""The laptop testbed: a tiny model trained from scratch on the compact chain task, then RL with every estimator at
+the paper's batch size, through the same train.py as the real runs.
+
+    python -m scripts.testbed                        SFT, then one seed of vine, vine-adaptive, critic, grpo, rloo
+    python -m scripts.testbed --seeds 0,1,2,3,4      the grid (restartable: finished runs are skipped)
+    python -m scripts.testbed --redraw               only the summary and the pictures from the finished runs
+
+1. SFT (sft.py SFT_SETTINGS, once, into OUT/sft): a 1M-parameter Llama with a character tokenizer, from random
+   weights, on `chain` (arith's problems written compactly: "13 *3 -3 -30 -4" -> "13*3=39\\n...\\n####2"), stopped
+   while its pass@1 is moderate, so that RL has room above it.
+2. RL (train.py SETTINGS + the estimator's flags) from that model, its reference too: 64 prompts x 8 samples an
+   iteration (the paper's 512 episodes), the same number of iterations for every estimator, greedy pass@1 on the 500
+   test problems every EVAL_EVERY iterations.
+Each run is a folder OUT/<estimator>-s<seed> (metrics.jsonl; its checkpoint, not committed, lets a cut run resume).
+--jobs N runs N cells at once, each on one thread (the tiny model's ops are too small to share out): 2 on a 2-core
+machine; each run's wall-clock is then measured beside one other run (recorded in machine.json).
+Then OUT/results.md, results.json and curves.png over every finished run: pass@1 against iterations and against
+training minutes (mean +- SE over seeds), test pass@1 against train reward, and the paired differences to vine.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from scripts.plot import plot_bands, read_metrics, summarize_grid, summary_markdown
+from scripts.replicate import ESTIMATORS, describe, summarize, table, this_machine
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: train.py and sft.py run from there
+TASK = ["--dataset", "chain", "--arith-ops", "4", "--prompt-format", "plain", "--threads", "1", "--max-new-tokens",
+        "64"]
+SFT_SETTINGS = [*TASK, "--model", "scratch", "--max-steps", "300", "--batch-size", "64", "--micro-batch-size", "64",
+                "--lr", "3e-3", "--warmup-ratio", "0.2", "--max-length", "128", "--eval-size", "500",
+                "--eval-samples", "1", "--eval-temperature", "0"]
+ITERATIONS, EVAL_EVERY = 30, 3
+SETTINGS = [*TASK, "--prompts-per-iter", "64", "--samples-per-prompt", "8", "--minibatch-size", "64",
+            "--micro-batch-size", "32", "--epochs", "1", "--lr", "5e-5", "--value-lr", "1e-3", "--no-lr-decay",
+            "--warmup-ratio", "0", "--kl-coef", "1e-4", "--eval-size", "500", "--eval-samples", "1",
+            "--eval-temperature", "0", "--eval-every", str(EVAL_EVERY), "--save-every", str(EVAL_EVERY),
+            "--iterations", str(ITERATIONS), "--sampler", "hf", "--dtype", "float32", "--gen-batch-size", "512"]
+
+
+def sft_stage(out: Path) -> Path:
+    """The SFT model in out/sft: trained once (resumed if it was cut off)."""
+    sft_dir = out / "sft"
+    if not (sft_dir / "config.json").exists():
+        cmd = [sys.executable, "sft.py", *SFT_SETTINGS, "--out-dir", str(sft_dir),
+               "--resume" if (sft_dir / "latest").exists() else "--overwrite"]
+        print("$", " ".join(cmd), flush=True)
+        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+            raise SystemExit("error: the SFT stage failed; see its output above")
+    return sft_dir
+
+
+def run_state(run_dir: Path) -> str:
+    """"done": the metrics end with the last iteration's evaluation; "resume": cut off with a checkpoint; "fresh"."""
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    if records and records[-1].get("iteration") == ITERATIONS and "eval_accuracy" in records[-1]:
+        return "done"
+    return "resume" if (run_dir / "latest").exists() else "fresh"
+
+
+def command(estimator: str, seed: int, *, out: Path, sft_dir: Path, extra: list[str]) -> list[str]:
+    run_dir = out / f"{estimator}-s{seed}"
+    return [sys.executable, "train.py", *SETTINGS, *ESTIMATORS[estimator], "--model", str(sft_dir), "--seed",
+            str(seed), "--out-dir", str(run_dir), "--resume" if run_state(run_dir) == "resume" else "--overwrite",
+            *extra]
+
+
+def run_cells(cells: list[tuple[str, int]], *, out: Path, sft_dir: Path, extra: list[str], jobs: int,
+              machine: dict):
+    """Run the cells that are not done, `jobs` at a time; each writes its output to its folder's log.txt."""
+    todo = [(e, s) for e, s in cells if run_state(out / f"{e}-s{s}") != "done"]
+    running = []
+    while todo or running:
+        while todo and len(running) < jobs:
+            estimator, seed = todo.pop(0)
+            run_dir = out / f"{estimator}-s{seed}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "machine.json").write_text(json.dumps({**machine, "jobs": jobs}) + "\n")
+            cmd = command(estimator, seed, out=out, sft_dir=sft_dir, extra=extra)
+            print("$", " ".join(cmd), flush=True)
+            log = open(run_dir / "log.txt", "a")
+            running.append((estimator, seed, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT),
+                            log))
+        time.sleep(1)
+        for cell in [c for c in running if c[2].poll() is not None]:
+            running.remove(cell)
+            cell[3].close()
+            estimator, seed, process, log = cell
+            if process.returncode != 0:
+                raise SystemExit(f"error: the {estimator} run (seed {seed}) failed; see {out}/{estimator}-s{seed}/log.txt")
+            print(f"{estimator} seed {seed}: done", flush=True)
+
+
+def summary(out: Path, seeds: list[int], *, started: float, extra: list[str]) -> str:
+    """results.md, results.json and curves.png over every finished run in out."""
+    rows, runs, seen = [], {}, sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if p.is_dir()
+                                       and p.name.rsplit("-s", 1)[1].isdigit()} | set(seeds))
+    for seed in seen:
+        for estimator in ESTIMATORS:
+            run_dir = out / f"{estimator}-s{seed}"
+            if run_state(run_dir) == "done":
+                records = read_metrics(run_dir / "metrics.jsonl")
+                rows.append(summarize(records, estimator, seed))
+                runs.setdefault(estimator, {})[seed] = records
+    if not rows:
+        raise SystemExit(f"error: no finished run in {out} to summarize")
+    budget = max(r["train_minutes"] for r in rows) * 60  # the longest run: the time axis of the summary
+    start = [json.loads(l) for l in (out / "sft" / "metrics.jsonl").read_text().splitlines()][-1] \
+        if (out / "sft" / "metrics.jsonl").exists() else {}
+    grid = summarize_grid(runs, budget=budget, threshold=0.8)
+    plot_bands(runs, str(out / "curves.png"), budget=budget)
+    machines = set()
+    for r in rows:
+        path = out / f"{r['estimator']}-s{r['seed']}" / "machine.json"
+        if path.exists():
+            machine = json.loads(path.read_text())
+            machines.add(f"{describe(machine)}, {machine.get('jobs', 1)} run(s) at once")
+    text = (f"SFT from scratch: `sft.py {' '.join(SFT_SETTINGS)}`; its greedy pass@1 on the 500 test problems: "
+            f"{start.get('eval_accuracy', float('nan')):.3f} ± {start.get('eval_se', float('nan')):.3f}, first wrong "
+            f"line of the wrong answers: {start.get('first_wrong_line')}.\n\n"
+            f"RL: {ITERATIONS} iterations of 64 x 8 for every estimator; settings `{' '.join(SETTINGS + extra)}`.\n"
+            f"Machines: {'; '.join(sorted(machines))}.\n"
+            f"This invocation: {(time.time() - started) / 60:.0f} min.\n\n"
+            f"{summary_markdown(grid, threshold=0.8)}\n\nPer run:\n\n{table(rows)}\n")
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"sft": SFT_SETTINGS, "settings": SETTINGS + extra, "runs": rows,
+                                                  "summary": grid}, indent=1))
+    return text
+
+
+def runs_table(folder: Path) -> str:
+    """A markdown table of every run in `folder` (a sweep): its flags that differ from SETTINGS, pass@1 at each
+    evaluation, end - start with the larger SE, train reward first and last 3 iterations, mean grad_cosine, final
+    kl_ref, seconds an iteration."""
+    lines = ["| run | flags | pass@1 at iterations | end - start | train reward (first 3 -> last 3) | "
+             "grad_cosine (mean) | kl_ref (end) | s / it |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for run_dir in sorted(p for p in folder.iterdir() if (p / "metrics.jsonl").exists()):
+        records = read_metrics(run_dir / "metrics.jsonl")
+        evals = [r for r in records if "eval_accuracy" in r]
+        trained = [r for r in records if r["iteration"] > 0]
+        if len(evals) < 2 or len(trained) < 3:
+            continue
+        flags = (run_dir / "flags.txt").read_text().strip() if (run_dir / "flags.txt").exists() else ""
+        cos = [r["grad_cosine"] for r in trained if "grad_cosine" in r]
+        reward = [sum(r["reward_mean"] for r in part) / len(part) for part in (trained[:3], trained[-3:])]
+        curve = " ".join(f"{r['iteration']}: {r['eval_accuracy']:.3f}" for r in evals)
+        lines.append(f"| {run_dir.name} | `{flags}` | {curve} | "
+                     f"{evals[-1]['eval_accuracy'] - evals[0]['eval_accuracy']:+.3f} ± "
+                     f"{max(evals[0]['eval_se'], evals[-1]['eval_se']):.3f} | {reward[0]:.3f} -> {reward[1]:.3f} | "
+                     f"{sum(cos) / max(len(cos), 1):.3f} | {trained[-1].get('kl_ref', 0):.2e} | "
+                     f"{trained[-1]['train_seconds'] / len(trained):.1f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--estimators", default=",".join(ESTIMATORS), help=f"comma-separated, of {list(ESTIMATORS)}")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
+    parser.add_argument("--out", default="results/testbed", help="results folder")
+    parser.add_argument("--redraw", action="store_true", help="run nothing: summarize the finished runs")
+    parser.add_argument("--table", default=None, help="run nothing: print a table of the runs in this folder (a sweep)")
+    args, extra = parser.parse_known_args()  # anything else goes to train.py
+    estimators = args.estimators.split(",")
+    if unknown := [e for e in estimators if e not in ESTIMATORS]:
+        raise SystemExit(f"error: --estimators: unknown {unknown} (choose from {list(ESTIMATORS)})")
+    if not all(s.strip().isdigit() for s in args.seeds.split(",")):
+        raise SystemExit(f"error: --seeds: expected comma-separated non-negative integers, got {args.seeds!r}")
+    if args.jobs < 1:
+        raise SystemExit(f"error: --jobs must be at least 1 (got {args.jobs})")
+    if args.table:
+        return print(runs_table(Path(args.table)))
+    out, seeds, started = Path(args.out), [int(s) for s in args.seeds.split(",")], time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.redraw:
+        sft_dir = sft_stage(out)
+        cells = [(e, s) for s in seeds for e in estimators]
+        run_cells(cells, out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs, machine=this_machine())
+    print(summary(out, seeds, started=started, extra=extra))
+
+
+if __name__ == "__main__":
+    main()

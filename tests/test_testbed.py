@@ -1,0 +1,150 @@
+"""The testbed's pieces: the chain task, the character tokenizer and the from-scratch model (scratch.py), the gradient
+signal (ppo.half_cosine), their flags' one-line errors, a data file that is not UTF-8, and (slow) sft.py --model scratch
+then two train.py iterations of every estimator from it."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from data import load_split, make_arith, make_chain
+from grader import grade
+from ppo import half_cosine
+from scratch import char_tokenizer, new_scratch_model, task_chars
+from values import split_steps
+
+
+def test_chain_is_arith_written_compactly():
+    arith, chain = make_arith(50, seed=3, ops=4, max_number=20), make_chain(50, seed=3, ops=4, max_number=20)
+    for a, c in zip(arith, chain):
+        assert c["answer"] == a["answer"] and c["solution"] == a["solution"].replace(" ", "")  # the same numbers
+        steps = [line.split(" ") for line in a["solution"].split("\n")[:-1]]  # "13 * 3 = 39" -> its five parts
+        assert c["question"] == " ".join([steps[0][0]] + [op + b for _, op, b, _, _ in steps])
+        assert c["solution"].split("\n")[-1] == f"####{a['answer']}"
+        assert grade(c["solution"], c["answer"], grader="chain") == 1.0
+        assert grade(c["solution"].replace(f"####{c['answer']}", "####1000"), c["answer"], grader="chain") == 0.0
+        assert len(split_steps(c["solution"], task="chain")) == 4  # one step per operation; "####N" joins the last
+    assert make_chain(1, seed=0, ops=4, max_number=20)[0] == {"question": "3 -2 +17 *2 +11", "answer": "47",
+                                                              "solution": "3-2=1\n1+17=18\n18*2=36\n36+11=47\n####47"}
+
+
+def test_chain_splits_are_disjoint_and_the_prompt_is_plain():
+    train, test = load_split("chain", "train", arith_ops=4), load_split("chain", "test", arith_ops=4)
+    assert len(test) == 500 and not {e["question"] for e in test} & {e["question"] for e in train}
+    from data import make_prompt
+    assert make_prompt("13 *3 -3", grader="chain", tokenizer=None, prompt_format="plain") == "13 *3 -3\n"
+
+
+def test_the_character_tokenizer_round_trips_every_character_of_the_task(tmp_path):
+    from transformers import AutoTokenizer
+    examples = load_split("chain", "train", arith_ops=4) + load_split("chain", "test", arith_ops=4)
+    chars = task_chars(examples)
+    assert set(chars) == set("0123456789+-*=# \n")
+    char_tokenizer(chars).save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)  # a real transformers tokenizer, from its folder
+    assert tokenizer.eos_token == "<eos>" and tokenizer.pad_token == "<pad>" and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert len(tokenizer) == len(chars) + 3
+    for text in [chars, *(e["question"] + "\n" + e["solution"] for e in examples[:200])]:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert len(ids) == len(text) and tokenizer.decode(ids) == text  # one token per character, no spaces added
+        assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == text
+    assert tokenizer("a", add_special_tokens=False).input_ids == [tokenizer.unk_token_id]
+
+
+def test_a_scratch_model_is_an_ordinary_hf_folder(tmp_path):
+    from transformers import AutoModelForCausalLM
+    folder = new_scratch_model(tmp_path / "m", chars="0123456789+-*=# \n", layers=2, width=32, heads=2, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    again = AutoModelForCausalLM.from_pretrained(new_scratch_model(tmp_path / "n", chars="0123456789+-*=# \n",
+                                                                   layers=2, width=32, heads=2, seed=1))
+    other = new_scratch_model(tmp_path / "o", chars="0123456789+-*=# \n", layers=2, width=32, heads=2, seed=2)
+    assert model.config.model_type == "llama" and model.config.tie_word_embeddings
+    assert model.generation_config.eos_token_id == 1 and model.config.vocab_size == 20
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))  # the seed decides
+    assert not torch.equal(model.model.embed_tokens.weight,
+                           AutoModelForCausalLM.from_pretrained(other).model.embed_tokens.weight)
+
+
+def test_half_cosine_tells_agreeing_halves_from_unrelated_ones():
+    g = torch.randn(1000)
+    assert half_cosine(g, 2 * g) == pytest.approx(1.0, abs=1e-6)  # the second half equals the first
+    assert half_cosine(g, torch.zeros(1000)) == pytest.approx(-1.0, abs=1e-6)  # opposite halves
+    torch.manual_seed(0)
+    a, b = torch.randn(100_000), torch.randn(100_000)
+    assert abs(half_cosine(a, a + b)) < 0.02  # independent noise
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train.py", "--threads", "-1"], "--threads must be 0 (torch's default) or above (got -1)"),
+    (["sft.py", "--threads", "-2"], "--threads must be 0 (torch's default) or above (got -2)"),
+    (["sft.py", "--model", "scratch", "--prompt-format", "plain", "--scratch-width", "130", "--scratch-heads", "4"],
+     "--scratch-width (130) must be an even multiple of --scratch-heads (4): each head's width is even (RoPE)"),
+    (["sft.py", "--model", "scratch", "--scratch-layers", "0", "--prompt-format", "plain"],
+     "--scratch-layers must be at least 1 (got 0)"),
+    (["sft.py", "--model", "scratch"], "--model scratch has no chat template: pass --prompt-format plain (or sft)"),
+])
+def test_new_flags_bad_values_are_one_line(argv, message, capsys):
+    if argv[0] == "train.py":
+        from config import parse_config as parse
+    else:
+        from sft import parse_sft_config as parse
+    with pytest.raises(SystemExit):
+        parse(["--device", "cpu", *argv[1:]])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+
+
+def test_a_data_file_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path):
+    rows = b'{"question": "1 +1", "answer": "2"}\n{"question": "caf\xe9", "answer": "3"}\n'
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_bytes(rows)
+    with pytest.raises(SystemExit, match=rf"^error: {tmp_path}/train.jsonl:2: not UTF-8 text \(byte 0xe9 at column 18\)$"):
+        load_split(str(tmp_path), "train")
+    run = subprocess.run([sys.executable, "train.py", "--device", "cpu", "--dataset", str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].endswith(f"{tmp_path}/train.jsonl:2: not UTF-8 text (byte 0xe9 at column 18)")
+
+
+def test_testbed_flags_bad_values_are_one_line(tmp_path):
+    for args, message in ((["--jobs", "0"], "error: --jobs must be at least 1 (got 0)"),
+                          (["--seeds", "0,x"], "error: --seeds: expected comma-separated non-negative integers, got '0,x'"),
+                          (["--estimators", "ppo"], "error: --estimators: unknown ['ppo']")):
+        run = subprocess.run([sys.executable, "-m", "scripts.testbed", "--out", str(tmp_path), *args], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and run.stderr.strip().startswith(message) and len(run.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # end to end, ~2 minutes on 2 cores
+def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
+    """sft.py --model scratch builds, trains and saves a tiny model; train.py then runs two iterations of each
+    estimator from that folder (its policy, reference, sampler and checkpoint), and resumes one of them."""
+    env_args = dict(cwd=REPO, capture_output=True, text=True, timeout=600)
+    task = ["--dataset", "chain", "--arith-ops", "2", "--prompt-format", "plain", "--threads", "1",
+            "--max-new-tokens", "32", "--device", "cpu"]
+    sft = tmp_path / "sft"
+    run = subprocess.run([sys.executable, "sft.py", *task, "--model", "scratch", "--scratch-layers", "2",
+                          "--scratch-width", "32", "--scratch-heads", "2", "--max-steps", "3", "--batch-size", "8",
+                          "--micro-batch-size", "8", "--lr", "3e-3", "--eval-size", "4", "--eval-samples", "1",
+                          "--out-dir", str(sft)], **env_args)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (sft / "config.json").exists() and (sft / "tokenizer.json").exists()
+    for name, flags in (("vine", ["--estimator", "vine", "--k", "2"]),
+                        ("adaptive", ["--estimator", "vine", "--k-mode", "adaptive", "--k-round", "2", "--k-max", "4"]),
+                        ("critic", ["--estimator", "critic"]), ("grpo", ["--estimator", "grpo"]),
+                        ("rloo", ["--estimator", "rloo"])):
+        out = tmp_path / name
+        cmd = [sys.executable, "train.py", *task, "--model", str(sft), *flags, "--iterations", "2",
+               "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--minibatch-size", "4", "--micro-batch-size",
+               "2", "--eval-size", "4", "--eval-samples", "1", "--eval-every", "2", "--out-dir", str(out)]
+        run = subprocess.run(cmd, **env_args)
+        assert run.returncode == 0, (name, run.stderr[-2000:])
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[-1]
+        assert "grad_cosine" in records[1] and -1 <= records[1]["grad_cosine"] <= 1  # two micro-batches a step
+        assert (out / "latest").exists()
+    again = subprocess.run(cmd[:cmd.index("--iterations") + 1] + ["3"] + cmd[cmd.index("--iterations") + 2:]
+                           + ["--resume"], **env_args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((tmp_path / "rloo" / "metrics.jsonl").read_text().splitlines()[-1])["iteration"] == 3
