@@ -59,6 +59,7 @@ class SFTConfig:
     max_steps: int = arg(0, "stop after this many optimizer steps (the schedule is laid out for them); 0: epochs")
     lr: float = arg(1e-5, "AdamW peak learning rate (official: 1e-5 for the 1.1B model, 5e-5 for 7B)")
     warmup_ratio: float = arg(0.03, "fraction of optimizer steps spent warming up, then linear decay to 0")
+    lr_decay: bool = arg(True, "decay the learning rate linearly to 0 after warmup (--no-lr-decay: constant)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     batch_size: int | None = arg(None, "instances per optimizer step (official: 64; CPU default: 16)")
@@ -304,7 +305,7 @@ def main(cfg: SFTConfig):
     scorer = dist.wrap(Scorer(policy, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun; before AdamW
     optimizer, scheduler = make_optimizer([{"params": policy.parameters(), "lr": cfg.lr}],
                                           weight_decay=cfg.weight_decay, total_steps=total,
-                                          warmup_ratio=cfg.warmup_ratio)
+                                          warmup_ratio=cfg.warmup_ratio, decay=cfg.lr_decay)
     start, train_seconds, rng = 0, 0.0, random.Random(cfg.seed)  # rng: unused, kept for checkpoint.py's format
     if state:
         start, train_seconds = restore(state, scorer=scorer, optimizer=optimizer, scheduler=scheduler, rng=rng,
