@@ -126,7 +126,7 @@ def summary(out: Path, seeds: list[int], *, started: float, extra: list[str]) ->
             f"line of the wrong answers: {start.get('first_wrong_line')}.\n\n"
             f"RL: {ITERATIONS} iterations of 64 x 8 for every estimator; settings `{' '.join(SETTINGS + extra)}`.\n"
             f"Machines: {'; '.join(sorted(machines))}.\n"
-            f"This invocation: {(time.time() - started) / 60:.0f} min.\n\n"
+            + (f"This invocation: {(time.time() - started) / 60:.0f} min.\n\n" if started else "\n") +
             f"{summary_markdown(grid, threshold=THRESHOLD)}\n\n{signal_table(runs)}\n\nPer run:\n\n{table(rows)}\n")
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"sft": SFT_SETTINGS, "settings": SETTINGS + extra, "runs": rows,
@@ -197,7 +197,7 @@ def main():
         sft_dir = sft_stage(out)
         cells = [(e, s) for s in seeds for e in estimators]
         run_cells(cells, out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs, machine=this_machine())
-    print(summary(out, seeds, started=started, extra=extra))
+    print(summary(out, seeds, started=None if args.redraw else started, extra=extra))
 
 
 if __name__ == "__main__":
