@@ -108,12 +108,13 @@ def cell_dir(out: Path, estimator: str, seed: int) -> Path:
     return out / f"{estimator}-s{seed}"
 
 
-def sft_stage(out: Path) -> tuple[Path, str]:
-    """The pipeline's SFT model: sft.py with SFT_SETTINGS into out/sft, once (resumed if it was cut off); returns its
-    folder and the sha256 of its weights (what each cell records, and its block must share)."""
+def sft_stage(out: Path, *, settings: list[str] = SFT_SETTINGS) -> tuple[Path, str]:
+    """The SFT model: sft.py with `settings` (the pipeline's SFT_SETTINGS; the testbed's own) into out/sft, once
+    (resumed if it was cut off); returns its folder and the sha256 of its weights (what each cell records, and its
+    block must share)."""
     sft_dir = out / "sft"
     if not (sft_dir / "config.json").exists():
-        cmd = [sys.executable, "sft.py", *SFT_SETTINGS, "--out-dir", str(sft_dir),
+        cmd = [sys.executable, "sft.py", *settings, "--out-dir", str(sft_dir),
                "--resume" if (sft_dir / "latest").exists() else "--overwrite"]
         print("$", " ".join(cmd), flush=True)
         if subprocess.run(cmd, cwd=ROOT).returncode != 0:

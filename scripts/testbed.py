@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from scripts.plot import mean_se, plot_bands, read_metrics, summarize_grid, summary_markdown
-from scripts.replicate import ESTIMATORS, describe, summarize, table, this_machine
+from scripts.replicate import ESTIMATORS, describe, sft_stage, summarize, table, this_machine
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train.py and sft.py run from there
 TASK = ["--dataset", "chain", "--arith-ops", "4", "--prompt-format", "plain", "--threads", "1", "--max-new-tokens",
@@ -42,18 +42,6 @@ SETTINGS = [*TASK, "--prompts-per-iter", "64", "--samples-per-prompt", "8", "--m
             "--warmup-ratio", "0", "--kl-coef", "1e-4", "--eval-size", "500", "--eval-samples", "1",
             "--eval-temperature", "0", "--eval-every", str(EVAL_EVERY), "--save-every", str(EVAL_EVERY),
             "--iterations", str(ITERATIONS), "--sampler", "hf", "--dtype", "float32", "--gen-batch-size", "512"]
-
-
-def sft_stage(out: Path) -> Path:
-    """The SFT model in out/sft: trained once (resumed if it was cut off)."""
-    sft_dir = out / "sft"
-    if not (sft_dir / "config.json").exists():
-        cmd = [sys.executable, "sft.py", *SFT_SETTINGS, "--out-dir", str(sft_dir),
-               "--resume" if (sft_dir / "latest").exists() else "--overwrite"]
-        print("$", " ".join(cmd), flush=True)
-        if subprocess.run(cmd, cwd=ROOT).returncode != 0:
-            raise SystemExit("error: the SFT stage failed; see its output above")
-    return sft_dir
 
 
 def run_state(run_dir: Path) -> str:
@@ -194,7 +182,7 @@ def main():
     out, seeds, started = Path(args.out), [int(s) for s in args.seeds.split(",")], time.time()
     out.mkdir(parents=True, exist_ok=True)
     if not args.redraw:
-        sft_dir = sft_stage(out)
+        sft_dir, _ = sft_stage(out, settings=SFT_SETTINGS)  # once; resumed if it was cut off
         cells = [(e, s) for s in seeds for e in estimators]
         run_cells(cells, out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs, machine=this_machine())
     print(summary(out, seeds, started=None if args.redraw else started, extra=extra))
