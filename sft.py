@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import dist
-from checkpoint import GracefulStop, Saver, load_trainer_state, prepare_out_dir, repair_metrics, restore
+from checkpoint import GracefulStop, Saver, open_run, repair_metrics, restore
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
 from data import dataset_problem, encode_prompt, load_split, load_splits, task_of
 from engine import HFSampler
@@ -40,8 +40,9 @@ from scratch import new_scratch_model, task_chars
 
 @dataclass
 class SFTConfig:
-    dataset: str = arg("arith", "gsm8k, math, arith, chain (arith written compactly, for --model scratch), or a folder of your own with train.jsonl and test.jsonl (its "
-                                "rows need a \"solution\": rows without one are skipped)")
+    dataset: str = arg("arith", "gsm8k, math, arith, chain (arith written compactly, for --model scratch), or a "
+                                "folder of your own with train.jsonl and test.jsonl (its rows need a \"solution\": "
+                                "rows without one are skipped)")
     grader: str = arg("auto", "how pass@1 is graded (as train.py): number, math; auto: by --dataset",
                       choices=["auto", "number", "math"])
     model: str = arg(DEFAULT_MODEL, "the model to fine-tune: Hub id, local HF folder or .gguf file; scratch: a new "
@@ -90,6 +91,12 @@ class SFTConfig:
 # A resumed run must have these as saved; the others (max-steps, lr, eval flags, ...) may change.
 SFT_DEFINING = ("dataset", "grader", "model", "prompt_format", "seed", "epochs", "batch_size", "max_length",
                 "arith_ops", "arith_max", "scratch_layers", "scratch_width", "scratch_heads")
+
+
+def defining_changes(saved: dict, cfg: SFTConfig) -> list[str]:
+    """The flags of SFT_DEFINING whose value differs from a checkpoint's config, as "--flag a -> b"."""
+    return [f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(cfg, k)}" for k in SFT_DEFINING
+            if saved.get(k) != getattr(cfg, k)]
 
 
 def parse_sft_config(argv=None) -> SFTConfig:
@@ -265,20 +272,10 @@ def main(cfg: SFTConfig):
     rank, world = dist.init(device)  # (0, 1) without torchrun
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
-    source = None
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        source = prepare_out_dir(out_dir, resume=cfg.resume, overwrite=cfg.overwrite)
-        if source is None:  # a fresh run: an old final model there is not this run's (save_final writes it anew)
-            (out_dir / "config.json").unlink(missing_ok=True)
-    source = dist.broadcast(source)  # the checkpoint to resume, if any: rank 0 alone tidies the folder
-    state = load_trainer_state(source) if source else None
-    if state:
-        defining = [f"--{k.replace('_', '-')} {state['config'].get(k)} -> {getattr(cfg, k)}" for k in SFT_DEFINING
-                    if state["config"].get(k) != getattr(cfg, k)]
-        if defining:
-            raise SystemExit(f"error: --resume: flags that define the run differ from {source}'s: "
-                             f"{'; '.join(defining)}")
+    source, state = open_run(out_dir, resume=cfg.resume, overwrite=cfg.overwrite,
+                             compare=lambda saved: (defining_changes(saved, cfg), []))  # the checkpoint to resume
+    if rank == 0 and source is None:  # a fresh run: an old final model there is not this run's (save_final rewrites it)
+        (out_dir / "config.json").unlink(missing_ok=True)
     dtype = pick_dtype(cfg.dtype, device)
     train_set, test_set = load_splits(cfg.dataset, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
                                       arith_max=cfg.arith_max, eval_size=cfg.eval_size)
@@ -347,7 +344,7 @@ def main(cfg: SFTConfig):
                 record["eval_accuracy"], record["eval_se"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed,
                                                                       keep=graded)
                 record["seconds_eval"] = time.perf_counter() - t1
-                if cfg.task in ("arith", "chain"):  # one operation per line: where the wrong samples first leave the gold
+                if cfg.task in ("arith", "chain"):  # a line per operation: where the wrong samples leave the gold
                     record["first_wrong_line"] = wrong_line_counts([t for part in dist.all_gather(graded) for t in part])
                     dist.print0(f"first wrong line of the wrong samples (line: count): {record['first_wrong_line']}")
             runlog.write(record)
