@@ -28,7 +28,8 @@ from values import step_token_starts
 
 
 def reset_peak_memory(device: torch.device):
-    """Start a new high-water mark (best effort: without /proc the mark keeps the run's peak)."""
+    """Start a new high-water mark (best effort: without /proc, or in a sandbox that ignores the write, the mark
+    keeps the run's peak)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return

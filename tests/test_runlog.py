@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from config import parse_config, tracker_missing
-from runlog import (Meter, RunLog, Tracker, due, duration, progress_line, response_steps, return_free_memory,
-                    sample_markdown, stop_after_interrupt)
+from runlog import (Meter, RunLog, Tracker, due, duration, peak_memory_gb, progress_line, reset_peak_memory,
+                    response_steps, return_free_memory, sample_markdown, stop_after_interrupt)
 
 
 @dataclass
@@ -56,9 +56,24 @@ def test_duration_and_progress():
     assert progress_line(done=3, total=3, first=0, elapsed=30.0).endswith("10 s/it, ETA 0s")
 
 
+def high_water_mark_resets() -> bool:
+    """Whether this kernel lowers VmHWM through /proc/self/clear_refs: after a freed 400 MB block, a reset must drop
+    the mark by most of it. Some sandboxes accept the write and keep the mark (seen in CI: both sections at 1.465 GB)."""
+    block = torch.ones(100_000_000)
+    block += 1
+    del block
+    return_free_memory()
+    before = peak_memory_gb(torch.device("cpu"))
+    reset_peak_memory(torch.device("cpu"))
+    return peak_memory_gb(torch.device("cpu")) < before - 0.3
+
+
 def test_meter_peak_memory_is_per_section():
     """A section that holds 400 MB peaks at least that much above one that holds nothing, after it in time."""
     return_free_memory()  # what earlier tests freed, which the heap would keep resident (and reuse for the block)
+    if not high_water_mark_resets():
+        pytest.skip("this kernel keeps VmHWM through a write to /proc/self/clear_refs; per-section peaks are the "
+                    "run's peak here")
     meter = Meter(torch.device("cpu"))
     meter.start()
     block = torch.ones(100_000_000)  # 400 MB, touched
