@@ -17,7 +17,7 @@ batch, R = response columns (right-padded).
 import torch
 
 import dist
-from ppo import batch_logprobs, pad_rows
+from ppo import batch_logprobs, pad_rows, score_batch
 from values import estimate_values, step_token_starts, token_step_index
 
 
@@ -92,13 +92,20 @@ def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P: int, micro: list, sampler, scorer,
                tokenizer, cfg, seed: int):
-    """train.py's section 4. vine: split every response into steps and estimate the value of the state before each
-    step from K vines (values.estimate_values). critic: the value head's value of every response token, from the
-    same forward pass as the policy's old log-probs (kept in `batch` for the update). grpo / rloo: no values.
+    """train.py's section 4. vine: split every response into steps (--step-split; entropy:F scores the batch first)
+    and estimate the value of the state before each step from K vines (values.estimate_values). critic: the value
+    head's value of every response token, from the same forward pass as the policy's old log-probs (kept in `batch`
+    for the update). grpo / rloo: no values.
     Returns (values, step starts (vine) or None, stats for the metrics line)."""
     if estimator == "vine":
-        starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task=cfg.task, split=cfg.step_split)
-                  for s in episodes.samples]
+        entropies = [None] * len(episodes.samples)
+        if cfg.step_split.startswith("entropy:"):  # the policy's entropy at every response token, from the pass that
+            scored = score_batch(scorer, batch, P, groups=micro, temperature=cfg.temperature, top_p=cfg.top_p,
+                                 with_entropy=True)  # gives the update its old log-probs (kept in `batch`)
+            batch["old_logprobs"], batch["log_mass"] = scored["logprobs"], scored["log_mass"]  # (B, R) each
+            entropies = [scored["entropy"][i, :len(r)].tolist() for i, r in enumerate(episodes.responses)]
+        starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task=cfg.task, split=cfg.step_split,
+                                    logprobs=s.logprobs, entropies=e) for s, e in zip(episodes.samples, entropies)]
         values, stats = estimate_values(
             sampler=sampler, prompts=episodes.prompts, responses=episodes.responses, step_starts=starts,
             rewards=rewards, answers=episodes.answers, grader=cfg.grader, K=cfg.k, temperature=cfg.temperature,

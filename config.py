@@ -75,8 +75,11 @@ class Config:
     whiten: bool = arg(True, "normalise advantages over the batch")
     max_value_steps: int | None = arg(None, "estimate at most this many states per response (default: no cap "
                                             "for math, 25 otherwise; 0 = no cap)")
-    step_split: str = arg("auto", "auto: the dataset's text rule (math: sentences and math spans; gsm8k, arith and a "
-                                  "folder: lines); tokens:N: a step every N tokens")
+    step_split: str = arg("auto", "where vines branch. auto: the dataset's text rule (math: sentences and math spans; "
+                                  "gsm8k, arith, chain and a folder: lines); tokens:N: every N tokens; lowprob:P: "
+                                  "before sampled tokens of probability < P (SPO: 0.9); entropy:F: before the top "
+                                  "fraction F of tokens by policy entropy (0.2); lowprob and entropy keep at most the "
+                                  "text rule's number of states per response")
     eval_every: int = arg(10, "evaluate every this many iterations (and before the first, and after the last)")
     eval_every_seconds: float = arg(0.0, "also evaluate, and checkpoint, each time training passes a multiple of "
                                          "this many seconds (evaluation excluded); 0: off")
@@ -223,15 +226,31 @@ def parse_config(argv=None) -> Config:
     problem = unwritable(Path(cfg.out_dir))
     if problem:
         parser.error(f"--out-dir {cfg.out_dir}: {problem}")
-    if not (cfg.step_split == "auto" or cfg.step_split.startswith("tokens:") and cfg.step_split[7:].isdigit()
-            and int(cfg.step_split[7:]) > 0):
-        parser.error(f"--step-split must be auto or tokens:N with N >= 1 (got {cfg.step_split!r})")
+    problem = step_split_problem(cfg.step_split)
+    if problem:
+        parser.error(f"--step-split {cfg.step_split!r}: {problem}")
     problem = model_problem(cfg.model)  # last: offline, a Hub id may take the Hub's 3 s check
     if problem:
         parser.error(f"--model {cfg.model}: {problem}")
     cfg.total_steps = cfg.iterations * cfg.epochs * math.ceil(cfg.prompts_per_iter * cfg.samples_per_prompt /
                                                               cfg.minibatch_size)  # the lr schedule's length
     return cfg
+
+
+def step_split_problem(split: str) -> str | None:
+    """What is wrong with a --step-split value (None if nothing): auto, tokens:N (N >= 1), lowprob:P or entropy:F
+    (0 < P, F <= 1)."""
+    rule, colon, arg = split.partition(":")
+    if split == "auto" or rule == "tokens" and arg.isdigit() and int(arg) >= 1:
+        return None
+    if rule in ("lowprob", "entropy") and colon:
+        try:
+            if 0 < float(arg) <= 1:
+                return None
+        except ValueError:
+            pass
+        return f"{rule} takes a number in (0, 1] after the colon"
+    return "must be auto, tokens:N (N >= 1), lowprob:P or entropy:F"
 
 
 def tracker_missing(kind: str) -> str | None:

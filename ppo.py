@@ -123,26 +123,38 @@ def micro_batches(n: int, *, size: int, generator: torch.Generator | None = None
     return [perm[i:i + size] for i in range(0, n, size)]
 
 
-@torch.no_grad()
 def batch_logprobs(scorer, batch: dict, P: int, *, groups: list[torch.Tensor], temperature: float,
                    top_p: float = 1.0):
     """Log-probs (B, R) of every response token under `scorer` (a model.Scorer, possibly wrapped by dist.wrap; no
     grad), micro-batch by micro-batch (`groups`, from micro_batches); its value head's predictions (B, R) when it
     has one (else None); and the log of the top-p nucleus mass at each position (B, R; 0 when top_p >= 1), so that
     logprobs - log_mass is each token's log-prob under the distribution the sampler drew it from."""
+    scored = score_batch(scorer, batch, P, groups=groups, temperature=temperature, top_p=top_p)
+    return scored["logprobs"], scored["values"], scored["log_mass"]
+
+
+@torch.no_grad()
+def score_batch(scorer, batch: dict, P: int, *, groups: list[torch.Tensor], temperature: float, top_p: float = 1.0,
+                with_entropy: bool = False) -> dict:
+    """batch_logprobs' pass, as a dict: logprobs, values (or None), log_mass, and with_entropy the policy's entropy
+    (B, R) at every response position (of the temperature-scaled distribution; else None)."""
     device = next(scorer.parameters()).device
-    logprobs, values, log_mass = torch.zeros(batch["response_mask"].shape), None, torch.zeros(batch["response_mask"].shape)
+    shape = batch["response_mask"].shape
+    out = {"logprobs": torch.zeros(shape), "values": None, "log_mass": torch.zeros(shape),
+           "entropy": torch.zeros(shape) if with_entropy else None}
     for idx in groups:
         mb, p = trim(batch, idx, P)
-        logp, _, v, mass = scorer(mb["input_ids"].to(device), mb["attention_mask"].to(device), response_start=p,
-                                  temperature=temperature, top_p=top_p)
-        logprobs[idx, :logp.shape[1]] = logp.float().cpu()
+        logp, entropy, v, mass = scorer(mb["input_ids"].to(device), mb["attention_mask"].to(device), response_start=p,
+                                        temperature=temperature, top_p=top_p, with_entropy=with_entropy)
+        out["logprobs"][idx, :logp.shape[1]] = logp.float().cpu()
         if mass is not None:
-            log_mass[idx, :mass.shape[1]] = mass.float().cpu()
+            out["log_mass"][idx, :mass.shape[1]] = mass.float().cpu()
+        if with_entropy:
+            out["entropy"][idx, :entropy.shape[1]] = entropy.float().cpu()
         if v is not None:
-            values = torch.zeros(batch["response_mask"].shape) if values is None else values
-            values[idx, :v.shape[1]] = v.float().cpu()
-    return logprobs, values, log_mass
+            out["values"] = torch.zeros(shape) if out["values"] is None else out["values"]
+            out["values"][idx, :v.shape[1]] = v.float().cpu()
+    return out
 
 
 def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor], epochs: int,

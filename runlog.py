@@ -155,11 +155,10 @@ def sample_markdown(*, text_steps: list[str], step_advantages: list[float], rewa
     return "\n".join(lines)
 
 
-def response_steps(*, token_ids: list[int], text: str, advantages: torch.Tensor, tokenizer, task: str,
-                   split: str) -> tuple[list[str], list[float]]:
-    """A response cut into its reasoning steps (the dataset's rule, as for the vines): each step's text and the mean
-    advantage of its tokens (for VinePPO every token of a step has the same one)."""
-    starts = step_token_starts(token_ids, text, tokenizer=tokenizer, task=task, split=split)
+def response_steps(*, token_ids: list[int], advantages: torch.Tensor, starts: list[int], tokenizer
+                   ) -> tuple[list[str], list[float]]:
+    """A response cut into its steps (`starts`: the first token of each, as the vines branched): each step's text and
+    the mean advantage of its tokens (for VinePPO every token of a step has the same one)."""
     spans = [(a, b) for a, b in zip(starts, list(starts[1:]) + [len(token_ids)]) if b > a]
     texts = [tokenizer.decode(token_ids[a:b], skip_special_tokens=True) for a, b in spans]
     return texts, [advantages[a:b].float().mean().item() for a, b in spans]
@@ -206,14 +205,16 @@ class RunLog:
                         f"{evaluated}", budget_left=budget_left)
 
     def responses(self, step: int, *, episodes, rewards: list[float], advantages: list, tokenizer, task: str,
-                  split: str):
-        """The first and the last response of the batch, each step under the advantage it got, for the tracker."""
+                  starts: list[list[int]] | None):
+        """The first and the last response of the batch, each step under the advantage it got, for the tracker.
+        starts: where the vines branched (vine), else None: the text rule's steps."""
         if not self.writer or self.tracker.kind == "none":
             return
         for i in (0, len(episodes.samples) - 1):
-            steps, step_advantages = response_steps(token_ids=episodes.responses[i], text=episodes.samples[i].text,
-                                                    advantages=advantages[i], tokenizer=tokenizer, task=task,
-                                                    split=split)
+            ids, text = episodes.responses[i], episodes.samples[i].text
+            steps, step_advantages = response_steps(
+                token_ids=ids, advantages=advantages[i], tokenizer=tokenizer,
+                starts=starts[i] if starts else step_token_starts(ids, text, tokenizer=tokenizer, task=task))
             self.text(f"responses/{i}", sample_markdown(text_steps=steps, step_advantages=step_advantages,
                                                         reward=rewards[i], answer=episodes.answers[i]), step)
 

@@ -154,7 +154,7 @@ def main(cfg: Config):
             runlog.write(record)
             if evaluating:  # two responses with the advantage each step got, for the tracker
                 runlog.responses(done, episodes=episodes, rewards=rewards, advantages=advantages, tokenizer=tokenizer,
-                                 task=cfg.task, split=cfg.step_split)
+                                 task=cfg.task, starts=starts)
             pause_point("metrics", done)
             saver.note(done, clock.seconds)
             stopping = stop.any_rank()

@@ -124,12 +124,40 @@ def token_char_starts(token_ids: list[int], *, tokenizer) -> list[int]:
     return [len(p) for p in prefixes]
 
 
-def step_token_starts(token_ids: list[int], text: str, *, tokenizer, task: str, split: str = "auto") -> list[int]:
-    """Index of the first token of each step; always starts with 0. split: "auto" (the dataset's text rule) or
-    "tokens:N" (every N tokens, the generic fallback)."""
-    if split.startswith("tokens:"):
-        every = int(split.split(":")[1])
-        return list(range(0, max(len(token_ids), 1), every))
+def step_token_starts(token_ids: list[int], text: str, *, tokenizer, task: str, split: str = "auto",
+                      logprobs: list[float] | None = None, entropies: list[float] | None = None) -> list[int]:
+    """Index of the first token of each step (where the response branches into vines); always starts with 0.
+    split (--step-split): "auto", the dataset's text rule (lines, or MATH's sentences); "tokens:N", every N tokens;
+    "lowprob:P", before each sampled token whose probability under the sampler (`logprobs`) was below P (SPO's
+    cutpoints), evenly thinned; "entropy:F", before the tokens in the top fraction F of the response's per-token
+    policy entropies (`entropies`; TreeRL's forks), highest first. lowprob and entropy keep at most as many states as
+    the text rule gives the same response, so that every rule but tokens:N spends at most its vine budget."""
+    rule, _, arg = split.partition(":")
+    if rule == "tokens":
+        return list(range(0, max(len(token_ids), 1), int(arg)))
+    starts = text_step_starts(token_ids, text, tokenizer=tokenizer, task=task)
+    if rule == "auto":
+        return starts
+    cuts, at_most = [], len(starts) - 1  # cuts: candidate first tokens of a step; state 0 (the prompt) is kept
+    if rule == "lowprob":
+        cuts = spread([t for t in range(1, len(token_ids)) if logprobs[t] < math.log(float(arg))], at_most=at_most)
+    elif rule == "entropy":
+        top = math.ceil(float(arg) * len(token_ids))
+        cuts = sorted(sorted(range(1, len(token_ids)), key=lambda t: (-entropies[t], t))[:min(top, at_most)])
+    else:
+        raise ValueError(f"unknown step split {split!r}")
+    return [0] + cuts
+
+
+def spread(items: list, *, at_most: int) -> list:
+    """At most `at_most` of `items`, evenly spaced (all of them if they are few enough), in order."""
+    if len(items) <= at_most:
+        return items
+    return [items[int((j + 0.5) * len(items) / at_most)] for j in range(at_most)]
+
+
+def text_step_starts(token_ids: list[int], text: str, *, tokenizer, task: str) -> list[int]:
+    """First token of each step of split_steps' text rule, through each token's character offset."""
     steps = split_steps(text, task=task)
     char_starts = token_char_starts(token_ids, tokenizer=tokenizer)
     starts, boundary = [0], 0

@@ -52,15 +52,17 @@ def run_state(run_dir: Path) -> str:
     return "resume" if (run_dir / "latest").exists() else "fresh"
 
 
-def command(estimator: str, seed: int, *, out: Path, sft_dir: Path, extra: list[str]) -> list[str]:
+def command(estimator: str, seed: int, *, out: Path, sft_dir: Path, extra: list[str],
+            arms: dict[str, list[str]] = ESTIMATORS) -> list[str]:
+    """train.py's command line for one cell; arms: each arm's flags (the estimators, or scripts.branching's rules)."""
     run_dir = out / f"{estimator}-s{seed}"
-    return [sys.executable, "train.py", *SETTINGS, *ESTIMATORS[estimator], "--model", str(sft_dir), "--seed",
+    return [sys.executable, "train.py", *SETTINGS, *arms[estimator], "--model", str(sft_dir), "--seed",
             str(seed), "--out-dir", str(run_dir), "--resume" if run_state(run_dir) == "resume" else "--overwrite",
             *extra]
 
 
 def run_cells(cells: list[tuple[str, int]], *, out: Path, sft_dir: Path, extra: list[str], jobs: int,
-              machine: dict):
+              machine: dict, arms: dict[str, list[str]] = ESTIMATORS):
     """Run the cells that are not done, `jobs` at a time; each writes its output to its folder's log.txt."""
     todo = [(e, s) for e, s in cells if run_state(out / f"{e}-s{s}") != "done"]
     running = []
@@ -70,7 +72,7 @@ def run_cells(cells: list[tuple[str, int]], *, out: Path, sft_dir: Path, extra: 
             run_dir = out / f"{estimator}-s{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "machine.json").write_text(json.dumps({**machine, "jobs": jobs}) + "\n")
-            cmd = command(estimator, seed, out=out, sft_dir=sft_dir, extra=extra)
+            cmd = command(estimator, seed, out=out, sft_dir=sft_dir, extra=extra, arms=arms)
             print("$", " ".join(cmd), flush=True)
             log = open(run_dir / "log.txt", "a")
             running.append((estimator, seed, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT),
@@ -85,12 +87,13 @@ def run_cells(cells: list[tuple[str, int]], *, out: Path, sft_dir: Path, extra: 
             print(f"{estimator} seed {seed}: done", flush=True)
 
 
-def summary(out: Path, seeds: list[int], *, started: float, extra: list[str]) -> str:
-    """results.md, results.json and curves.png over every finished run in out."""
+def summary(out: Path, seeds: list[int], *, started: float, extra: list[str], arms: dict[str, list[str]] = ESTIMATORS,
+            baseline: str = "vine", sft_dir: Path | None = None) -> str:
+    """results.md, results.json and curves.png over every finished run in out (paired differences to `baseline`)."""
     rows, runs, seen = [], {}, sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if p.is_dir()
                                        and p.name.rsplit("-s", 1)[1].isdigit()} | set(seeds))
     for seed in seen:
-        for estimator in ESTIMATORS:
+        for estimator in arms:
             run_dir = out / f"{estimator}-s{seed}"
             if run_state(run_dir) == "done":
                 records = read_metrics(run_dir / "metrics.jsonl")
@@ -99,9 +102,10 @@ def summary(out: Path, seeds: list[int], *, started: float, extra: list[str]) ->
     if not rows:
         raise SystemExit(f"error: no finished run in {out} to summarize")
     budget = max(r["train_minutes"] for r in rows) * 60  # the longest run: the time axis of the summary
-    start = [json.loads(l) for l in (out / "sft" / "metrics.jsonl").read_text().splitlines()][-1] \
-        if (out / "sft" / "metrics.jsonl").exists() else {}
-    grid = summarize_grid(runs, budget=budget, threshold=THRESHOLD)
+    sft_dir = sft_dir or out / "sft"
+    start = [json.loads(l) for l in (sft_dir / "metrics.jsonl").read_text().splitlines()][-1] \
+        if (sft_dir / "metrics.jsonl").exists() else {}
+    grid = summarize_grid(runs, budget=budget, threshold=THRESHOLD, baseline=baseline)
     plot_bands(runs, str(out / "curves.png"), budget=budget)
     machines = set()
     for r in rows:
@@ -112,10 +116,11 @@ def summary(out: Path, seeds: list[int], *, started: float, extra: list[str]) ->
     text = (f"SFT from scratch: `sft.py {' '.join(SFT_SETTINGS)}`; its greedy pass@1 on the 500 test problems: "
             f"{start.get('eval_accuracy', float('nan')):.3f} ± {start.get('eval_se', float('nan')):.3f}, first wrong "
             f"line of the wrong answers: {start.get('first_wrong_line')}.\n\n"
-            f"RL: {ITERATIONS} iterations of 64 x 8 for every estimator; settings `{' '.join(SETTINGS + extra)}`.\n"
+            f"RL: {ITERATIONS} iterations of 64 x 8 for every arm; settings `{' '.join(SETTINGS + extra)}`; arms: "
+            + "; ".join(f"{name} `{' '.join(flags)}`" for name, flags in arms.items()) + ".\n"
             f"Machines: {'; '.join(sorted(machines))}.\n"
             + (f"This invocation: {(time.time() - started) / 60:.0f} min.\n\n" if started else "\n") +
-            f"{summary_markdown(grid, threshold=THRESHOLD)}\n\n{signal_table(runs)}\n\nPer run:\n\n{table(rows)}\n")
+            f"{summary_markdown(grid, threshold=THRESHOLD, baseline=baseline)}\n\n{signal_table(runs)}\n\nPer run:\n\n{table(rows)}\n")
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"sft": SFT_SETTINGS, "settings": SETTINGS + extra, "runs": rows,
                                                   "summary": grid}, indent=1))

@@ -12,6 +12,7 @@ import torch
 from config import parse_config, tracker_missing
 from runlog import (Meter, RunLog, Tracker, due, duration, peak_memory_gb, progress_line, reset_peak_memory,
                     response_steps, return_free_memory, sample_markdown, stop_after_interrupt)
+from values import step_token_starts
 
 
 @dataclass
@@ -115,13 +116,12 @@ def test_response_steps_carry_their_advantage(smol):
     text = "3 + 4 = 7\n7 * 2 = 14\n#### 14"
     ids = tokenizer(text, add_special_tokens=False).input_ids
     advantages = torch.zeros(len(ids))
-    steps, means = response_steps(token_ids=ids, text=text, advantages=advantages, tokenizer=tokenizer,
-                                  task="gsm8k", split="auto")
+    starts = step_token_starts(ids, text, tokenizer=tokenizer, task="gsm8k")
+    steps, means = response_steps(token_ids=ids, advantages=advantages, starts=starts, tokenizer=tokenizer)
     assert steps == ["3 + 4 = 7\n", "7 * 2 = 14\n#### 14"]  # the answer line belongs to the last step (values.py)
     first_two = len(tokenizer(steps[0], add_special_tokens=False).input_ids)
     advantages[:first_two] = 0.5  # the first step's tokens
-    _, means = response_steps(token_ids=ids, text=text, advantages=advantages, tokenizer=tokenizer,
-                              task="gsm8k", split="auto")
+    _, means = response_steps(token_ids=ids, advantages=advantages, starts=starts, tokenizer=tokenizer)
     assert means == [0.5, 0.0]
     markdown = sample_markdown(text_steps=steps, step_advantages=means, reward=1.0, answer="14")
     assert markdown.splitlines() == ["reward 1 (gold answer 14)", "", "    [A +0.500] 3 + 4 = 7",

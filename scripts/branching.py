@@ -1,0 +1,80 @@
+"""Where to branch the vines: VinePPO's line boundaries against the rules of its follow-ups, on the testbed.
+
+    python -m scripts.branching --seeds 0,1,2      the grid (restartable: finished runs are skipped)
+    python -m scripts.branching --redraw           only the summary and the pictures from the finished runs
+
+Every arm is `train.py --estimator vine` with the testbed's settings (scripts/testbed.py SETTINGS, K = 9, from the
+testbed's SFT model, made once into TESTBED/sft) and one --step-split rule (values.step_token_starts):
+    lines     auto: a state before every line (VinePPO's rule for GSM8K-like text)
+    tokens    tokens:10: every 10 tokens (the generic fallback; ~37-token responses: 4 states, as lines give)
+    lowprob   lowprob:0.9: before sampled tokens of probability < 0.9 (SPO's cutpoints), at most lines' count
+    entropy   entropy:0.2: before the top 20% of tokens by policy entropy (TreeRL's forks), at most lines' count
+so that every arm asks for (at most) the same number of states per response x K vines: the issue's equal budget.
+Identical states are estimated once (values.estimate_values), so the vines sampled still differ by rule: the
+budget table reports them. Runs go to OUT/<rule>-s<seed>; OUT/results.md has the testbed's summary (pass@1 against
+iterations and minutes, paired differences to lines) and the budget table.
+"""
+import argparse
+import time
+from pathlib import Path
+
+from scripts.plot import mean_se, read_metrics
+from scripts.replicate import sft_stage, this_machine
+from scripts.testbed import SFT_SETTINGS, run_cells, run_state, summary
+
+RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
+         "tokens": ["--estimator", "vine", "--step-split", "tokens:10"],
+         "lowprob": ["--estimator", "vine", "--step-split", "lowprob:0.9"],
+         "entropy": ["--estimator", "vine", "--step-split", "entropy:0.2"]}
+
+
+def budget_table(out: Path) -> str:
+    """Per rule, means over iterations then mean +- SE over seeds: states per response asked for, distinct states
+    estimated, vines and vine tokens sampled, and seconds of the values section, per iteration."""
+    keys = ("steps_per_response", "value_states", "vines", "vine_tokens", "seconds_values", "seconds")
+    lines = ["| rule | states / response | distinct states | vines | vine tokens | s values | s / iteration |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for rule in RULES:
+        runs = [read_metrics(p / "metrics.jsonl") for p in sorted(out.glob(f"{rule}-s*")) if run_state(p) == "done"]
+        if not runs:
+            continue
+        trained = [[r for r in records if r["iteration"] > 0] for records in runs]
+        cells = []
+        for key in keys:
+            m, se = mean_se([sum(r[key] for r in t) / len(t) for t in trained])
+            cells.append(f"{m:.2f} ± {se:.2f}" if m < 10 else f"{m:.0f} ± {se:.0f}")
+        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--rules", default=",".join(RULES), help=f"comma-separated, of {list(RULES)}")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
+    parser.add_argument("--out", default="results/branching", help="results folder")
+    parser.add_argument("--testbed", default="results/testbed", help="the testbed's folder: its SFT model, in sft/")
+    parser.add_argument("--redraw", action="store_true", help="run nothing: summarize the finished runs")
+    args, extra = parser.parse_known_args()  # anything else goes to train.py
+    rules = args.rules.split(",")
+    if unknown := [r for r in rules if r not in RULES]:
+        raise SystemExit(f"error: --rules: unknown {unknown} (choose from {list(RULES)})")
+    if not all(s.strip().isdigit() for s in args.seeds.split(",")):
+        raise SystemExit(f"error: --seeds: expected comma-separated non-negative integers, got {args.seeds!r}")
+    if args.jobs < 1:
+        raise SystemExit(f"error: --jobs must be at least 1 (got {args.jobs})")
+    out, seeds, started = Path(args.out), [int(s) for s in args.seeds.split(",")], time.time()
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.redraw:
+        sft_dir, _ = sft_stage(Path(args.testbed), settings=SFT_SETTINGS)  # the testbed's; made if missing
+        run_cells([(r, s) for s in seeds for r in rules], out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs,
+                  machine=this_machine(), arms=RULES)
+    text = summary(out, seeds, started=None if args.redraw else started, extra=extra, arms=RULES, baseline="lines",
+                   sft_dir=Path(args.testbed) / "sft")
+    text += f"\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n{budget_table(out)}\n"
+    (out / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
