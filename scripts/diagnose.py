@@ -6,7 +6,8 @@ predictions, to the true value of a state under the same policy?
 1. From test problems, sample a response with the checkpoint's policy, cut it at a step boundary (the parent state)
    and sample two continuations from there; the state after each one's first step is a *sibling*: two candidate
    next steps from the same parent. --screen N keeps only pairs with a state of intermediate value (its N
-   screening continuations disagree), for a confident policy whose states are mostly worth 0 or 1.
+   screening continuations disagree), for a confident policy whose states are mostly worth 0 or 1. Steps are
+   train.py's --step-split (default auto: the text rule), so each branching rule gets its own states.
 2. Ground truth: V = mean reward of --ground-truth (256) continuations from each state.
 3. Estimates: VinePPO with K in --ks (1, 3, 9), from fresh continuations; and, when the checkpoint has a value head
    (a `--estimator critic` run), the critic's prediction.
@@ -18,25 +19,48 @@ import argparse
 import json
 import math
 import random
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from checkpoint import load_value_head
+from config import step_split_problem
 from data import encode_prompt, load_split
 from engine import HFSampler
 from model import load_model, load_tokenizer, new_value_head, pick_dtype
-from values import mc_rollouts, round_sizes, split_steps, step_token_starts
+from values import mc_rollouts, round_sizes, step_token_starts
+
+
+@torch.no_grad()
+def token_entropies(model, context: list[int], tokens: list[int], *, temperature: float) -> list[float]:
+    """The policy's entropy (temperature-scaled, full vocabulary) at each of `tokens`, given `context` before them."""
+    ids = torch.tensor([context + tokens])
+    logits = model(input_ids=ids, use_cache=False).logits[0, len(context) - 1:-1].float() / temperature  # (T, V)
+    logp = torch.log_softmax(logits, dim=-1)
+    return (-(logp.exp() * logp).sum(-1)).tolist()
+
+
+def branch_starts(sample, context: list[int], *, tokenizer, dataset: str, split: str, model,
+                  temperature: float) -> list[int]:
+    """values.step_token_starts of a sampled piece (a response, or a continuation after `context`), with the
+    sampler's log-probs and, for entropy:F, the policy's entropies."""
+    entropies = token_entropies(model, context, sample.token_ids, temperature=temperature) \
+        if split.startswith("entropy:") and sample.token_ids else None
+    return step_token_starts(sample.token_ids, sample.text, tokenizer=tokenizer, task=dataset, split=split,
+                             logprobs=sample.logprobs, entropies=entropies)
 
 
 def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, max_new_tokens: int, temperature: float,
                    top_p: float, seed: int, screen: int = 0, chunk: int = 16,
-                   prompt_format: str = "chat") -> list[dict]:
+                   prompt_format: str = "chat", split: str = "auto") -> list[dict]:
     """Pairs of sibling states [{"prompt", "prefix", "answer", "pair"}], two per pair, from sampled responses, drawn
     `chunk` test problems at a time (one sampler call for their responses, one for the two continuations of each
     parent). With screen > 0, a pair is kept only if, of `screen` more continuations of each of its states, one
     state's are neither all right nor all wrong: it has an intermediate value. The screen's samples are not used
-    again (the true values and the estimates come from fresh ones)."""
+    again (the true values and the estimates come from fresh ones). split: where steps start (--step-split)."""
+    cut = partial(branch_starts, tokenizer=tokenizer, dataset=dataset, split=split, model=sampler.model,
+                  temperature=temperature)
     rng, states = random.Random(seed), []
     for c0 in range(0, len(examples), chunk):
         if len(states) >= 2 * pairs:
@@ -48,7 +72,7 @@ def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, ma
                                    seed=seed + c0)
         parents = []  # (example, prompt, parent tokens): each response cut at one of its step boundaries
         for example, prompt, [response] in zip(part, prompts, responses):
-            starts = step_token_starts(response.token_ids, response.text, tokenizer=tokenizer, task=dataset)
+            starts = cut(response, prompt)
             if len(starts) >= 2:
                 parents.append((example, prompt, response.token_ids[:rng.choice(starts[:-1])]))
         continuations = sampler.sample_prefixes(
@@ -59,8 +83,8 @@ def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, ma
         for (example, prompt, parent), pair in zip(parents, continuations):
             firsts = []
             for c in pair:
-                c_starts = step_token_starts(c.token_ids, c.text, tokenizer=tokenizer, task=dataset)
-                if len(c_starts) >= 2 and len(split_steps(c.text, task=dataset)) >= 2:
+                c_starts = cut(c, prompt + parent)
+                if len(c_starts) >= 2:
                     firsts.append(c.token_ids[:c_starts[1]])
             if len(firsts) == 2 and firsts[0] != firsts[1]:
                 found.append((example, prompt, parent, firsts))
@@ -169,12 +193,16 @@ def main():
     parser.add_argument("--out", default="diagnostics")
     parser.add_argument("--rules", default="", help="vine-count rules to compare on one pool of fresh vines, e.g. "
                         "fixed:9,adaptive:0.5,budget:9,official (adaptive:CI uses --k-round 3, --k-max 27)")
+    parser.add_argument("--step-split", default="auto", help="where a step starts, as train.py's --step-split (auto, "
+                        "tokens:N, lowprob:P, entropy:F): the parents' cuts and the siblings' first steps")
     parser.add_argument("--pool", type=int, default=45, help="fresh vines per state that the rules draw from")
     parser.add_argument("--repeats", type=int, default=1000, help="simulated draws for the rules' expected errors")
     args = parser.parse_args()
     for name in ("pairs", "ground_truth", "max_new_tokens", "pool", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if problem := step_split_problem(args.step_split):
+        parser.error(f"--step-split {args.step_split!r}: {problem}")
     if args.screen < 0:
         parser.error(f"--screen must be 0 (off) or above (got {args.screen})")
     ks = sorted(int(k) for k in args.ks.split(","))
@@ -186,7 +214,7 @@ def main():
     states = sibling_states(sampler, tokenizer, examples, dataset=args.dataset, prompt_format=args.prompt_format,
                             pairs=args.pairs,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.seed, screen=args.screen)
+                            seed=args.seed, screen=args.screen, split=args.step_split)
     rollout = dict(sampler=sampler, sequences=[s["prompt"] + s["prefix"] for s in states],
                    prefix_lens=[len(s["prompt"]) + len(s["prefix"]) for s in states],
                    prompt_lens=[len(s["prompt"]) for s in states], answers=[s["answer"] for s in states],
@@ -213,11 +241,12 @@ def main():
         summary.update({f"rule {rule} (expected)": row for rule, row in expected.items()})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"checkpoint": args.checkpoint, "states": len(states), "ground_truth_samples": args.ground_truth,
+    report = {"checkpoint": args.checkpoint, "step_split": args.step_split, "states": len(states),
+              "ground_truth_samples": args.ground_truth,
               "summary": summary, "per_state": [{"pair": s["pair"], "truth": t, **{n: e[i] for n, e in estimates.items()}}
                                                 for i, (s, t) in enumerate(zip(states, truth))]}
     (out / "value_error.json").write_text(json.dumps(report, indent=1))
-    title = f"{len(states)} states, truth = {args.ground_truth} samples"
+    title = f"{len(states)} states (--step-split {args.step_split}), truth = {args.ground_truth} samples"
     plot_summary({n: r for n, r in summary.items() if not n.endswith("(expected)")}, out / "value_error.png",
                  title=title)  # with each rule's error on its one draw of vines
     if args.rules:

@@ -132,6 +132,8 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
     assert (sft / "config.json").exists() and (sft / "tokenizer.json").exists()
     for name, flags in (("vine", ["--estimator", "vine", "--k", "2"]),
                         ("adaptive", ["--estimator", "vine", "--k-mode", "adaptive", "--k-round", "2", "--k-max", "4"]),
+                        ("lowprob", ["--estimator", "vine", "--k", "2", "--step-split", "lowprob:0.9"]),
+                        ("entropy", ["--estimator", "vine", "--k", "2", "--step-split", "entropy:0.2"]),
                         ("critic", ["--estimator", "critic"]), ("grpo", ["--estimator", "grpo"]),
                         ("rloo", ["--estimator", "rloo"])):
         out = tmp_path / name
@@ -143,6 +145,8 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[-1]
         assert "grad_cosine" in records[1] and -1 <= records[1]["grad_cosine"] <= 1  # two micro-batches a step
+        if flags[1] == "vine":
+            assert records[1]["steps_per_response"] >= 1 and abs(records[1]["ratio"] - 1) < 0.1  # old log-probs right
         assert (out / "latest").exists()
     again = subprocess.run(cmd[:cmd.index("--iterations") + 1] + ["3"] + cmd[cmd.index("--iterations") + 2:]
                            + ["--resume"], **env_args)

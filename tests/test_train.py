@@ -25,7 +25,9 @@ def test_config_defaults_and_derived_values():
     assert parse_config(["--no-whiten", "--k", "3"]).whiten is False
 
 
-@pytest.mark.parametrize("argv", [["--k", "0"], ["--step-split", "lines"], ["--dataset", "svamp"], ["--iterations", "x"],
+@pytest.mark.parametrize("argv", [["--k", "0"], ["--step-split", "lines"], ["--step-split", "lowprob:1.5"],
+                                  ["--step-split", "entropy:x"], ["--step-split", "entropy"], ["--step-split", "tokens:0"],
+                                  ["--dataset", "svamp"], ["--iterations", "x"],
                                   ["--tis-cap", "0.5"], ["--dtype", "float16"], ["--k-ci", "0"],
                                   ["--eval-every-seconds", "-1"], ["--k-mode", "sometimes"], ["--k-round", "0"],
                                   ["--k-max", "0"]])
