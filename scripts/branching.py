@@ -9,10 +9,13 @@ testbed's SFT model, made once into TESTBED/sft) and one --step-split rule (valu
     tokens    tokens:10: every 10 tokens (the generic fallback; ~37-token responses: 4 states, as lines give)
     lowprob   lowprob:0.9: before sampled tokens of probability < 0.9 (SPO's cutpoints), at most lines' count
     entropy   entropy:0.2: before the top 20% of tokens by policy entropy (TreeRL's forks), at most lines' count
-so that every arm asks for (at most) the same number of states per response x K vines: the issue's equal budget.
-Identical states are estimated once (values.estimate_values), so the vines sampled still differ by rule: the
-budget table reports them. Runs go to OUT/<rule>-s<seed>; OUT/results.md has the testbed's summary (pass@1 against
-iterations and minutes, paired differences to lines) and the budget table.
+so that every arm asks for (at most) the same number of states per response x K vines. lowprob finds fewer
+cutpoints than lines on this task (about one a response: 2 states x 9 vines), so one more arm,
+    lowprob-k18   lowprob:0.9 with K = 18: about the same states per response x K as lines' 4 x 9
+separates where the states are from how many vines they get. Identical states are estimated once
+(values.estimate_values), so the vines sampled still differ by rule: the budget table reports them.
+Runs go to OUT/<rule>-s<seed>; OUT/results.md has the testbed's summary (pass@1 against iterations and minutes,
+paired differences to lines) and the budget table. --where prints where each rule cuts the SFT model's responses.
 """
 import argparse
 import time
@@ -25,7 +28,8 @@ from scripts.testbed import SFT_SETTINGS, run_cells, run_state, summary
 RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
          "tokens": ["--estimator", "vine", "--step-split", "tokens:10"],
          "lowprob": ["--estimator", "vine", "--step-split", "lowprob:0.9"],
-         "entropy": ["--estimator", "vine", "--step-split", "entropy:0.2"]}
+         "entropy": ["--estimator", "vine", "--step-split", "entropy:0.2"],
+         "lowprob-k18": ["--estimator", "vine", "--step-split", "lowprob:0.9", "--k", "18"]}
 
 
 def budget_table(out: Path) -> str:
@@ -47,6 +51,59 @@ def budget_table(out: Path) -> str:
     return "\n".join(lines)
 
 
+def cut_kind(text: str, t: int) -> str:
+    """Where, in a chain response (one character a token), a cut before character t falls: at the start of a line,
+    at the first character of a line's result (just after '='), inside a result, in the expression, or in the
+    '####' answer line."""
+    line_start = text.rfind("\n", 0, t) + 1
+    line = text[line_start:text.find("\n", t) if "\n" in text[t:] else len(text)]
+    if line.startswith("####"):
+        return "answer line"
+    if t == line_start:
+        return "line start"
+    equals = text.find("=", line_start, line_start + len(line))
+    if equals < 0 or t <= equals:
+        return "expression"
+    return "result's first char" if t == equals + 1 else "rest of result"
+
+
+def where_cuts(model_dir: Path, *, prompts: int = 64, samples: int = 8, seed: int = 0) -> str:
+    """A markdown table: how each rule cuts a batch of the model's responses to train problems (the testbed's sampling
+    settings): states per response, tokens per segment, and where the cuts fall (cut_kind), in shares of all cuts."""
+    import random
+
+    import torch
+
+    from data import encode_prompt, load_split
+    from engine import HFSampler
+    from model import load_model, load_tokenizer
+    from scripts.diagnose import token_entropies
+    from values import step_token_starts
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_model(str(model_dir), device=torch.device("cpu"), dtype=torch.float32, frozen=True)
+    sampler = HFSampler(model, tokenizer, dtype=torch.float32)
+    examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=4), prompts)
+    ids = [encode_prompt(e["question"], grader="chain", tokenizer=tokenizer, prompt_format="plain") for e in examples]
+    groups = sampler.sample(ids, n=samples, temperature=0.6, top_p=0.9, max_new_tokens=64, seed=seed)
+    pieces = [(prompt, s) for prompt, group in zip(ids, groups) for s in group if s.token_ids]
+    entropies = [token_entropies(model, prompt, s.token_ids, temperature=0.6) for prompt, s in pieces]
+    kinds = ("line start", "result's first char", "rest of result", "expression", "answer line")
+    lines = ["| rule | states / response | tokens / segment | " + " | ".join(kinds) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in kinds) + " |"]
+    for rule, flags in RULES.items():
+        counts, states, tokens = dict.fromkeys(kinds, 0), 0, 0
+        for (prompt, s), ent in zip(pieces, entropies):
+            starts = step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task="chain", split=flags[-1],
+                                       logprobs=s.logprobs, entropies=ent)
+            states, tokens = states + len(starts), tokens + len(s.token_ids)
+            for t in starts[1:]:
+                counts[cut_kind(s.text, t)] += 1  # one character a token: token t is character t
+        cuts = max(sum(counts.values()), 1)
+        lines.append(f"| {rule} | {states / len(pieces):.2f} | {tokens / states:.1f} | "
+                     + " | ".join(f"{counts[k] / cuts:.2f}" for k in kinds) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
@@ -55,6 +112,8 @@ def main():
     parser.add_argument("--out", default="results/branching", help="results folder")
     parser.add_argument("--testbed", default="results/testbed", help="the testbed's folder: its SFT model, in sft/")
     parser.add_argument("--redraw", action="store_true", help="run nothing: summarize the finished runs")
+    parser.add_argument("--where", action="store_true", help="run nothing: print where each rule cuts the SFT "
+                        "model's responses (a batch of 64 x 8)")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     rules = args.rules.split(",")
     if unknown := [r for r in rules if r not in RULES]:
@@ -63,6 +122,8 @@ def main():
         raise SystemExit(f"error: --seeds: expected comma-separated non-negative integers, got {args.seeds!r}")
     if args.jobs < 1:
         raise SystemExit(f"error: --jobs must be at least 1 (got {args.jobs})")
+    if args.where:
+        return print(where_cuts(Path(args.testbed) / "sft"))
     out, seeds, started = Path(args.out), [int(s) for s in args.seeds.split(",")], time.time()
     out.mkdir(parents=True, exist_ok=True)
     if not args.redraw:

@@ -92,8 +92,9 @@ def test_tracker_shows_the_steps_the_vines_used():
 def test_branching_arms_and_budget_table(tmp_path):
     from scripts.branching import RULES, budget_table
     from scripts.testbed import ITERATIONS
-    assert [flags[-1] for flags in RULES.values()] == ["auto", "tokens:10", "lowprob:0.9", "entropy:0.2"]
-    assert all(step_split_problem(flags[-1]) is None for flags in RULES.values())
+    splits = [flags[flags.index("--step-split") + 1] for flags in RULES.values()]
+    assert splits == ["auto", "tokens:10", "lowprob:0.9", "entropy:0.2", "lowprob:0.9"]
+    assert all(step_split_problem(split) is None for split in splits)
     for seed, states in ((0, 300), (1, 340)):
         run = tmp_path / f"lowprob-s{seed}"
         run.mkdir()
@@ -126,3 +127,11 @@ def test_entropy_pass_gives_the_update_the_same_old_logprobs(tmp_path):
     assert torch.equal(scored["logprobs"], logprobs) and torch.equal(scored["log_mass"], log_mass)
     entropy = scored["entropy"][response_mask.bool()]  # (N,)
     assert (entropy > 0).all() and (entropy <= math.log(model.config.vocab_size) + 1e-5).all()
+
+
+def test_cut_kind_names_where_a_chain_cut_falls():
+    from scripts.branching import cut_kind
+    text = "13*3=39\n39-3=36\n####36"
+    kinds = [cut_kind(text, t) for t in range(len(text))]
+    assert kinds[0] == kinds[8] == "line start" and kinds[5] == kinds[13] == "result's first char"
+    assert kinds[3] == kinds[12] == "expression" and kinds[6] == "rest of result" and kinds[16] == "answer line"
