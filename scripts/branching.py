@@ -51,6 +51,27 @@ def budget_table(out: Path) -> str:
     return "\n".join(lines)
 
 
+def iteration_table(out: Path) -> str:
+    """Per rule, pass@1 against iterations: the mean of its evaluations after iteration 0 (3, 6, ..., 30), mean +- SE
+    over seeds, and paired with lines on the same seed (mean +- SE of the per-seed differences)."""
+    curves = {rule: {} for rule in RULES}
+    for rule in RULES:
+        for run_dir in sorted(out.glob(f"{rule}-s*")):
+            if run_dir.name.rsplit("-s", 1)[0] == rule and run_state(run_dir) == "done":
+                evals = [r["eval_accuracy"] for r in read_metrics(run_dir / "metrics.jsonl")
+                         if "eval_accuracy" in r and r["iteration"] > 0]
+                curves[rule][int(run_dir.name.rsplit("-s", 1)[1])] = sum(evals) / len(evals)
+    lines = ["| rule | seeds | mean pass@1, iterations 3-30 | paired − lines |", "| --- | --- | --- | --- |"]
+    for rule, by_seed in curves.items():
+        if not by_seed:
+            continue
+        m, se = mean_se(list(by_seed.values()))
+        paired = [v - curves["lines"][seed] for seed, v in by_seed.items() if seed in curves["lines"]]
+        diff = "–" if rule == "lines" or not paired else "{:+.3f} ± {:.3f} ({})".format(*mean_se(paired), len(paired))
+        lines.append(f"| {rule} | {len(by_seed)} | {m:.3f} ± {se:.3f} | {diff} |")
+    return "\n".join(lines)
+
+
 def cut_kind(text: str, t: int) -> str:
     """Where, in a chain response (one character a token), a cut before character t falls: at the start of a line,
     at the first character of a line's result (just after '='), inside a result, in the expression, or in the
@@ -132,7 +153,8 @@ def main():
                   machine=this_machine(), arms=RULES)
     text = summary(out, seeds, started=None if args.redraw else started, extra=extra, arms=RULES, baseline="lines",
                    sft_dir=Path(args.testbed) / "sft")
-    text += f"\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n{budget_table(out)}\n"
+    text += (f"\nPass@1 against iterations (± SE over seeds):\n\n{iteration_table(out)}\n"
+             f"\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n{budget_table(out)}\n")
     (out / "results.md").write_text(text)
     print(text)
 
