@@ -111,10 +111,13 @@ def where_cuts(model_dir: Path, *, prompts: int = 64, samples: int = 8, seed: in
     kinds = ("line start", "result's first char", "rest of result", "expression", "answer line")
     lines = ["| rule | states / response | tokens / segment | " + " | ".join(kinds) + " |",
              "| --- | --- | --- | " + " | ".join("---" for _ in kinds) + " |"]
+    splits = {}  # each distinct rule once (lowprob-k18 cuts as lowprob does)
     for rule, flags in RULES.items():
+        splits.setdefault(flags[flags.index("--step-split") + 1], rule)
+    for split, rule in splits.items():
         counts, states, tokens = dict.fromkeys(kinds, 0), 0, 0
         for (prompt, s), ent in zip(pieces, entropies):
-            starts = step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task="chain", split=flags[-1],
+            starts = step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task="chain", split=split,
                                        logprobs=s.logprobs, entropies=ent)
             states, tokens = states + len(starts), tokens + len(s.token_ids)
             for t in starts[1:]:
