@@ -23,7 +23,7 @@ from pathlib import Path
 
 from scripts.plot import mean_se, read_metrics
 from scripts.replicate import sft_stage, this_machine
-from scripts.testbed import SFT_SETTINGS, run_cells, run_state, summary
+from scripts.testbed import SFT_SETTINGS, grid_arguments, grid_choices, run_cells, run_state, summary
 
 RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
          "tokens": ["--estimator", "vine", "--step-split", "tokens:10"],
@@ -130,25 +130,15 @@ def where_cuts(model_dir: Path, *, prompts: int = 64, samples: int = 8, seed: in
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    parser.add_argument("--rules", default=",".join(RULES), help=f"comma-separated, of {list(RULES)}")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
-    parser.add_argument("--out", default="results/branching", help="results folder")
+    grid_arguments(parser, arm="rule", arms=RULES, out="results/branching")
     parser.add_argument("--testbed", default="results/testbed", help="the testbed's folder: its SFT model, in sft/")
-    parser.add_argument("--redraw", action="store_true", help="run nothing: summarize the finished runs")
     parser.add_argument("--where", action="store_true", help="run nothing: print where each rule cuts the SFT "
                         "model's responses (a batch of 64 x 8)")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
-    rules = args.rules.split(",")
-    if unknown := [r for r in rules if r not in RULES]:
-        raise SystemExit(f"error: --rules: unknown {unknown} (choose from {list(RULES)})")
-    if not all(s.strip().isdigit() for s in args.seeds.split(",")):
-        raise SystemExit(f"error: --seeds: expected comma-separated non-negative integers, got {args.seeds!r}")
-    if args.jobs < 1:
-        raise SystemExit(f"error: --jobs must be at least 1 (got {args.jobs})")
+    rules, seeds = grid_choices(args, arm="rule", arms=RULES)
     if args.where:
         return print(where_cuts(Path(args.testbed) / "sft"))
-    out, seeds, started = Path(args.out), [int(s) for s in args.seeds.split(",")], time.time()
+    out, started = Path(args.out), time.time()
     out.mkdir(parents=True, exist_ok=True)
     if not args.redraw:
         sft_dir, _ = sft_stage(Path(args.testbed), settings=SFT_SETTINGS)  # the testbed's; made if missing

@@ -166,25 +166,37 @@ def runs_table(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def grid_arguments(parser: argparse.ArgumentParser, *, arm: str, arms: dict[str, list[str]], out: str):
+    """The flags of a testbed grid (this one, scripts.branching's): --seeds, --<arm>s (which arms), --jobs, --out,
+    --redraw; anything else goes to train.py."""
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    parser.add_argument("--estimators", default=",".join(ESTIMATORS), help=f"comma-separated, of {list(ESTIMATORS)}")
+    parser.add_argument(f"--{arm}s", default=",".join(arms), help=f"comma-separated, of {list(arms)}")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
-    parser.add_argument("--out", default="results/testbed", help="results folder")
+    parser.add_argument("--out", default=out, help="results folder")
     parser.add_argument("--redraw", action="store_true", help="run nothing: summarize the finished runs")
-    parser.add_argument("--table", default=None, help="run nothing: print a table of the runs in this folder (a sweep)")
-    args, extra = parser.parse_known_args()  # anything else goes to train.py
-    estimators = args.estimators.split(",")
-    if unknown := [e for e in estimators if e not in ESTIMATORS]:
-        raise SystemExit(f"error: --estimators: unknown {unknown} (choose from {list(ESTIMATORS)})")
+
+
+def grid_choices(args, *, arm: str, arms: dict[str, list[str]]) -> tuple[list[str], list[int]]:
+    """The arms and seeds grid_arguments' flags chose; a bad value is a one-line error."""
+    chosen = getattr(args, f"{arm}s").split(",")
+    if unknown := [a for a in chosen if a not in arms]:
+        raise SystemExit(f"error: --{arm}s: unknown {unknown} (choose from {list(arms)})")
     if not all(s.strip().isdigit() for s in args.seeds.split(",")):
         raise SystemExit(f"error: --seeds: expected comma-separated non-negative integers, got {args.seeds!r}")
     if args.jobs < 1:
         raise SystemExit(f"error: --jobs must be at least 1 (got {args.jobs})")
+    return chosen, [int(s) for s in args.seeds.split(",")]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    grid_arguments(parser, arm="estimator", arms=ESTIMATORS, out="results/testbed")
+    parser.add_argument("--table", default=None, help="run nothing: print a table of the runs in this folder (a sweep)")
+    args, extra = parser.parse_known_args()  # anything else goes to train.py
+    estimators, seeds = grid_choices(args, arm="estimator", arms=ESTIMATORS)
     if args.table:
         return print(runs_table(Path(args.table)))
-    out, seeds, started = Path(args.out), [int(s) for s in args.seeds.split(",")], time.time()
+    out, started = Path(args.out), time.time()
     out.mkdir(parents=True, exist_ok=True)
     if not args.redraw:
         sft_dir, _ = sft_stage(out, settings=SFT_SETTINGS)  # once; resumed if it was cut off

@@ -144,3 +144,15 @@ def test_cut_kind_names_where_a_chain_cut_falls():
     kinds = [cut_kind(text, t) for t in range(len(text))]
     assert kinds[0] == kinds[8] == "line start" and kinds[5] == kinds[13] == "result's first char"
     assert kinds[3] == kinds[12] == "expression" and kinds[6] == "rest of result" and kinds[16] == "answer line"
+
+
+def test_branching_flags_bad_values_are_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    for args, message in ((["--rules", "lines,spo"], "error: --rules: unknown ['spo']"),
+                          (["--seeds", "1,"], "error: --seeds: expected comma-separated non-negative integers"),
+                          (["--jobs", "0"], "error: --jobs must be at least 1 (got 0)")):
+        run = subprocess.run([sys.executable, "-m", "scripts.branching", "--out", str(tmp_path), *args],
+                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and run.stderr.strip().startswith(message) and len(run.stderr.strip().splitlines()) == 1
