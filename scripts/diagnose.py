@@ -59,8 +59,8 @@ def sibling_states(sampler, tokenizer, examples, *, dataset: str, pairs: int, ma
     parent). With screen > 0, a pair is kept only if, of `screen` more continuations of each of its states, one
     state's are neither all right nor all wrong: it has an intermediate value. The screen's samples are not used
     again (the true values and the estimates come from fresh ones). split: where steps start (--step-split)."""
-    cut = partial(branch_starts, tokenizer=tokenizer, dataset=dataset, split=split, model=sampler.model,
-                  temperature=temperature)
+    cut = partial(branch_starts, tokenizer=tokenizer, dataset=dataset, split=split, temperature=temperature,
+                  model=sampler.model if split.startswith("entropy:") else None)  # only entropy asks the model
     rng, states = random.Random(seed), []
     for c0 in range(0, len(examples), chunk):
         if len(states) >= 2 * pairs:
