@@ -2,6 +2,7 @@
 person watching a run sees (the progress line, per-section peak memory, the TensorBoard mirror read back, responses as
 text)."""
 import json
+import re
 import signal
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -57,6 +58,12 @@ def test_duration_and_progress():
     assert progress_line(done=3, total=3, first=0, elapsed=30.0).endswith("10 s/it, ETA 0s")
 
 
+def resident_gb() -> float:
+    """This process's resident memory now (VmRSS), GB."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1e3 / 1e9
+
+
 def high_water_mark_resets() -> bool:
     """Whether this kernel lowers VmHWM through /proc/self/clear_refs: after a freed 400 MB block, a reset must drop
     the mark by most of it. Some sandboxes accept the write and keep the mark (seen in CI: both sections at 1.465 GB)."""
@@ -81,6 +88,9 @@ def test_meter_peak_memory_is_per_section():
     block += 1
     meter.stop("big")
     del block
+    return_free_memory()
+    if resident_gb() > meter.memory["big"] - 0.3:  # seen once in a clean-clone run here: big and small both 1.477
+        pytest.skip("the freed block stayed resident, so no later section can peak lower")
     meter.start()
     small = torch.ones(1000)
     meter.stop("small")
