@@ -28,17 +28,18 @@ from checkpoint import load_value_head
 from config import step_split_problem
 from data import encode_prompt, load_split
 from engine import HFSampler
-from model import load_model, load_tokenizer, new_value_head, pick_dtype
+from model import load_model, load_tokenizer, new_value_head, pick_dtype, response_logprobs
 from values import mc_rollouts, round_sizes, step_token_starts
 
 
 @torch.no_grad()
 def token_entropies(model, context: list[int], tokens: list[int], *, temperature: float) -> list[float]:
-    """The policy's entropy (temperature-scaled, full vocabulary) at each of `tokens`, given `context` before them."""
+    """The policy's entropy (temperature-scaled, full vocabulary) at each of `tokens`, given `context` before them:
+    model.response_logprobs' entropies, as training's scoring pass computes them."""
     ids = torch.tensor([context + tokens])
-    logits = model(input_ids=ids, use_cache=False).logits[0, len(context) - 1:-1].float() / temperature  # (T, V)
-    logp = torch.log_softmax(logits, dim=-1)
-    return (-(logp.exp() * logp).sum(-1)).tolist()
+    _, entropy, _, _ = response_logprobs(model, input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         response_start=len(context), temperature=temperature, with_entropy=True)
+    return entropy[0].float().tolist()
 
 
 def branch_starts(sample, context: list[int], *, tokenizer, dataset: str, split: str, model,
