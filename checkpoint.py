@@ -4,6 +4,7 @@ iteration in progress.
     OUT/metrics.jsonl     one line per iteration, written (and fsynced) before that iteration's checkpoint
     OUT/ckpt-NNNNNN/      a Hugging Face folder + trainer_state.pt (+ value_head.pt), written as .tmp-ckpt-* and renamed
     OUT/latest            names the committed checkpoint; a checkpoint counts once `latest` names it
+    OUT/start.json        the model the run started from and the sha256 of its weights (record_start)
 
 On start: temp folders of dead saves are removed, and so are checkpoints newer than `latest` (a kill came between
 their rename and the pointer's update). On resume: metrics lines past the checkpoint, and a torn last line, are
@@ -13,6 +14,7 @@ iteration's start; during the update and the rest of the iteration, finish it fi
 """
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import re
@@ -70,6 +72,44 @@ def prepare_out_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> Path | N
         if orphan.name > source.name:
             remove(orphan)
     return source
+
+
+WEIGHTS_HASH_LIMIT = 4 * 2**30  # bytes: larger weights (7B and up) are named by path and size, not hashed
+
+
+def weights_sha256(folder: Path) -> str | None:
+    """sha256 of a model folder's weights: its model.safetensors, else its *.safetensors shards read in name order as
+    one stream; None when there are none or they are larger than WEIGHTS_HASH_LIMIT."""
+    files = [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else \
+        sorted(folder.glob("*.safetensors"))
+    if not files or sum(f.stat().st_size for f in files) > WEIGHTS_HASH_LIMIT:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            while chunk := f.read(2**24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def record_start(out_dir: Path, *, model: str, folder: str, resumed: bool):
+    """OUT/start.json: --model, the folder it resolved to and the sha256 of its weights (the policy's start and the
+    frozen reference: both load --model), so that a grid can tell which start a run came from. On --resume the
+    weights must be those the run started from (a one-line error otherwise). Rank 0 writes."""
+    path = out_dir / "start.json"
+    digest = weights_sha256(Path(folder))
+    start = {"model": model, "folder": folder, "model_sha256": digest, "reference_sha256": digest}
+    if resumed and path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("model_sha256") != digest:
+            raise SystemExit(f"error: --resume: --model {model} is not the model {out_dir} started from (sha256 "
+                             f"{str(digest)[:12]}, the run's {str(saved.get('model_sha256'))[:12]})")
+        return
+    if dist.rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / "start.tmp"
+        tmp.write_text(json.dumps(start) + "\n")
+        os.replace(tmp, path)
 
 
 def load_tensors(path: Path, what: str):

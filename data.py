@@ -73,7 +73,8 @@ def gold_answer(row: dict, *, dataset: str) -> str | None:
 
 
 def to_example(row: dict, *, dataset: str, where: str) -> dict:
-    """A raw row -> {"question", "answer", "solution"}; a one-line error naming `where` if it is malformed."""
+    """A raw row -> {"question", "answer", "solution", "where"}; a one-line error naming `where` (file:line) if it
+    is malformed."""
     question = row.get("problem" if dataset == "math" else "question") if isinstance(row, dict) else None
     answer = gold_answer(row, dataset=dataset) if isinstance(row, dict) and isinstance(question, str) else None
     solution = (row.get("answer") if dataset == "gsm8k" else row.get("solution", "")) if isinstance(row, dict) else ""
@@ -83,7 +84,7 @@ def to_example(row: dict, *, dataset: str, where: str) -> dict:
                   "math": '"problem" and "answer", or a "solution" with \\boxed{}',
                   "custom": '"question" and "answer" (the final answer), "solution" optional'}[dataset]
         raise SystemExit(f"error: {where}: malformed {dataset} row (expected {fields})")
-    return {"question": question, "answer": answer.strip(), "solution": solution or ""}
+    return {"question": question, "answer": answer.strip(), "solution": solution or "", "where": where}
 
 
 def read_jsonl(path: Path, *, dataset: str) -> list[dict]:
@@ -176,11 +177,13 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
                          f"error: unknown split {split} (choose from {SPLITS})")
     if dataset in ("arith", "chain"):
         make = make_arith if dataset == "arith" else make_chain
-        train = make(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
-        if split == "train":
-            return train
-        seen = {e["question"] for e in train}
-        return [e for e in make(4 * 500, seed=1, ops=arith_ops, max_number=arith_max) if e["question"] not in seen][:500]
+        rows = train = make(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
+        if split == "test":
+            seen = {e["question"] for e in train}
+            rows = [e for e in make(4 * 500, seed=1, ops=arith_ops, max_number=arith_max)
+                    if e["question"] not in seen][:500]
+        return [{**e, "where": f"--dataset {dataset} --arith-ops {arith_ops}: {split} problem {i + 1}"}
+                for i, e in enumerate(rows)]
     if task_of(dataset) == "custom":
         return read_jsonl(Path(dataset).expanduser() / f"{split}.jsonl", dataset="custom")
     data_dir = data_dir or os.environ.get("VINEPPO_DATA_DIR")
@@ -219,6 +222,42 @@ def make_prompt(question: str, *, grader: str, tokenizer, prompt_format: str = "
     message = f"{CHAT_INSTRUCTION[grader_of(grader)]}\n\nProblem: {question}"
     return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                          add_generation_prompt=True)
+
+
+def unknown_chars(tokenizer, chars: set[str]) -> list[str]:
+    """The characters of `chars` that `tokenizer` turns into its unknown token (none for byte-level tokenizers)."""
+    if tokenizer.unk_token_id is None or not chars:
+        return []
+    chars = sorted(chars)
+    ids = tokenizer(chars, add_special_tokens=False).input_ids
+    return [c for c, row in zip(chars, ids) if tokenizer.unk_token_id in row]
+
+
+def input_problem(tokenizer, *, examples: list[dict], prompt_format: str, grader: str, max_new_tokens: int,
+                  max_positions: int | None) -> str | None:
+    """What the model cannot take of this run's inputs, in one line (None if nothing): a prompt format whose template
+    holds characters its tokenizer turns into <unk> (e.g. a character tokenizer and the chat or sft format); a
+    question, solution or answer holding such characters (named, with the first row's file:line); the longest prompt
+    plus max_new_tokens past the model's max_positions."""
+    template = make_prompt("", grader=grader, tokenizer=tokenizer, prompt_format=prompt_format)
+    if bad := unknown_chars(tokenizer, set(template)):
+        return (f"--prompt-format {prompt_format}: the model's tokenizer cannot write its characters "
+                f"{''.join(bad)!r} (they would be <unk>); a character tokenizer takes the format it was made with")
+    texts = ("question", "solution", "answer")
+    if bad := unknown_chars(tokenizer, set().union(*(e.get(k, "") for e in examples for k in texts))):
+        first = next(e for e in examples if any(c in e.get(k, "") for k in texts for c in bad))
+        return (f"{first.get('where', 'the data')}: characters the model's tokenizer cannot write (they would be "
+                f"<unk>): {''.join(bad)!r}")
+    if max_positions:  # the 32 longest questions in characters stand for the longest in tokens
+        longest = sorted(examples, key=lambda e: -len(e["question"]))[:32]
+        prompts = [make_prompt(e["question"], grader=grader, tokenizer=tokenizer, prompt_format=prompt_format)
+                   for e in longest]
+        lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False).input_ids]
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        if lengths[i] + max_new_tokens > max_positions:
+            return (f"{longest[i].get('where', 'the data')}: its prompt is {lengths[i]} tokens; with "
+                    f"--max-new-tokens {max_new_tokens} that is past the model's {max_positions} positions")
+    return None
 
 
 def encode_prompt(question: str, *, grader: str, tokenizer, prompt_format: str = "chat") -> list[int]:

@@ -197,6 +197,12 @@ def load_tokenizer(spec: str):
     return tokenizer
 
 
+def max_positions(spec: str) -> int | None:
+    """The model's positions (prompt + response tokens at most), from its config; None if it names none."""
+    from transformers import AutoConfig
+    return getattr(AutoConfig.from_pretrained(resolve_model(spec)), "max_position_embeddings", None)
+
+
 def new_value_head(model) -> torch.nn.Linear:
     """The critic's value head on the policy trunk: final hidden state -> V. Zero-initialised (V = 0 at first), fp32
     master weights like the policy's."""

@@ -99,8 +99,14 @@ def progress_line(*, done: int, total: int, first: int, elapsed: float, budget_l
     eta = per_it * (total - done)
     if budget_left is not None:
         eta = min(eta, max(0.0, budget_left))
-    return (f"{done}/{total} ({100 * done / total:.1f}%) elapsed {duration(elapsed)}, {per_it:.0f} s/it, "
-            f"ETA {duration(eta)}")
+    return f"{done}/{total} ({100 * done / total:.1f}%) elapsed {duration(elapsed)}, {rate(per_it)}, ETA {duration(eta)}"
+
+
+def rate(per_it: float) -> str:
+    """'190 s/it', '2.5 s/it', or for steps under a second '4.2 it/s' (never '0 s/it')."""
+    if per_it >= 10:
+        return f"{per_it:.0f} s/it"
+    return f"{per_it:.1f} s/it" if per_it >= 1 else f"{1 / max(per_it, 1e-9):.1f} it/s"
 
 
 class Tracker:

@@ -28,14 +28,15 @@ import torch
 import dist
 from checkpoint import GracefulStop, Saver, open_run, repair_metrics, restore
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
-from data import dataset_problem, encode_prompt, load_split, load_splits, task_of
+from data import dataset_problem, encode_prompt, input_problem, load_split, load_splits, task_of
 from engine import HFSampler
 from grader import grader_of, is_number
-from model import DEFAULT_MODEL, Scorer, load_model, load_tokenizer, model_problem, pick_device, pick_dtype
+from model import (DEFAULT_MODEL, Scorer, load_model, load_tokenizer, max_positions, model_problem, pick_device,
+                   pick_dtype)
 from ppo import make_optimizer, pad_episodes
 from rollout import evaluate
 from runlog import RunLog, due, stop_after_interrupt
-from scratch import new_scratch_model, task_chars
+from scratch import new_scratch_model, prompt_chars, task_chars
 
 
 @dataclass
@@ -283,10 +284,15 @@ def main(cfg: SFTConfig):
     if model == "scratch":  # a new random-initialised model and character tokenizer, saved as an HF folder
         model = str(out_dir / "init")
         if rank == 0:
-            new_scratch_model(Path(model), chars=task_chars(train_set + test_set), layers=cfg.scratch_layers,
-                              width=cfg.scratch_width, heads=cfg.scratch_heads, seed=cfg.seed)
+            chars = task_chars(train_set + test_set) + prompt_chars(cfg.prompt_format, grader=cfg.grader)
+            new_scratch_model(Path(model), chars=chars, layers=cfg.scratch_layers, width=cfg.scratch_width,
+                              heads=cfg.scratch_heads, seed=cfg.seed)
         dist.barrier()
     tokenizer = load_tokenizer(model)
+    if problem := input_problem(tokenizer, examples=train_set + test_set, prompt_format=cfg.prompt_format,
+                                grader=cfg.grader, max_new_tokens=cfg.max_new_tokens,
+                                max_positions=max_positions(model)):
+        raise SystemExit(f"error: {problem}")
     pairs, cut = encode_examples(train_set, tokenizer=tokenizer, cfg=cfg)
     if len(pairs) < cfg.batch_size:
         raise SystemExit(f"error: --dataset {cfg.dataset}: {len(pairs)} train rows with a solution, fewer than "

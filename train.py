@@ -16,11 +16,13 @@ import torch
 
 import dist
 from advantages import advantages_for, values_for
-from checkpoint import GracefulStop, Saver, load_value_head, open_run, pause_point, repair_metrics, restore
+from checkpoint import (GracefulStop, Saver, load_value_head, open_run, pause_point, record_start, repair_metrics,
+                        restore)
 from config import Config, config_changes, parse_config
-from data import load_splits
+from data import input_problem, load_splits
 from grader import grade
-from model import Scorer, load_model, load_tokenizer, new_value_head, pick_device, pick_dtype, resolve_model
+from model import (Scorer, load_model, load_tokenizer, max_positions, new_value_head, pick_device, pick_dtype,
+                   resolve_model)
 from ppo import make_optimizer, micro_batches, pad_episodes, policy_update
 from rollout import choose_sampler, evaluate, make_sampler, open_vllm, rollouts
 from runlog import Clock, Meter, RunLog, due, iteration_record, return_free_memory, stop_after_interrupt
@@ -35,13 +37,18 @@ def main(cfg: Config):
     rank, world = dist.init(device)  # (0, 1) without torchrun
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)  # the same on every rank: all draw the same prompts, each keeps its share
-    out_dir = Path(cfg.out_dir)
-    source, state = open_run(out_dir, resume=cfg.resume, overwrite=cfg.overwrite,
-                             compare=lambda saved: config_changes(saved, cfg))
-    dtype = pick_dtype(cfg.dtype, device)  # compute dtype; the policy's master weights are fp32
     train_set, test_set = load_splits(cfg.dataset, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
                                       arith_max=cfg.arith_max, eval_size=cfg.eval_size)
     tokenizer = load_tokenizer(cfg.model)
+    if problem := input_problem(tokenizer, examples=train_set + test_set, prompt_format=cfg.prompt_format,
+                                grader=cfg.grader, max_new_tokens=cfg.max_new_tokens,
+                                max_positions=max_positions(cfg.model)):  # before anything is written
+        raise SystemExit(f"error: {problem}")
+    out_dir = Path(cfg.out_dir)
+    source, state = open_run(out_dir, resume=cfg.resume, overwrite=cfg.overwrite,
+                             compare=lambda saved: config_changes(saved, cfg))
+    record_start(out_dir, model=cfg.model, folder=resolve_model(cfg.model), resumed=source is not None)
+    dtype = pick_dtype(cfg.dtype, device)  # compute dtype; the policy's master weights are fp32
     backend = choose_sampler(cfg.sampler)  # the same on every rank: vLLM everywhere or nowhere
     engine = open_vllm(cfg.sampler, resolve_model(cfg.model), dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
                        gpu_memory=cfg.vllm_gpu_memory, max_batched_tokens=cfg.vllm_max_batched_tokens,

@@ -23,8 +23,10 @@ from pathlib import Path
 
 from scripts.plot import mean_se, read_metrics
 from scripts.replicate import sft_stage, this_machine
-from scripts.testbed import SFT_SETTINGS, grid_arguments, grid_choices, run_cells, run_state, summary
+from scripts.testbed import OUT as TESTBED
+from scripts.testbed import SFT_SETTINGS, grid_arguments, grid_choices, run_cells, run_state, sft_digest, summary
 
+OUT = "runs/branching"  # the default output, ignored by git (the committed grid: --out results/branching)
 RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
          "tokens": ["--estimator", "vine", "--step-split", "tokens:10"],
          "lowprob": ["--estimator", "vine", "--step-split", "lowprob:0.9"],
@@ -32,14 +34,14 @@ RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
          "lowprob-k18": ["--estimator", "vine", "--step-split", "lowprob:0.9", "--k", "18"]}
 
 
-def budget_table(out: Path) -> str:
+def budget_table(out: Path, *, start: str | None) -> str:
     """Per rule, means over iterations then mean +- SE over seeds: states per response asked for, distinct states
     estimated, vines and vine tokens sampled, and seconds of the values section, per iteration."""
     keys = ("steps_per_response", "value_states", "vines", "vine_tokens", "seconds_values", "seconds")
     lines = ["| rule | states / response | distinct states | vines | vine tokens | s values | s / iteration |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for rule in RULES:
-        runs = [read_metrics(p / "metrics.jsonl") for p in sorted(out.glob(f"{rule}-s*")) if run_state(p) == "done"]
+        runs = [read_metrics(p / "metrics.jsonl") for p in sorted(out.glob(f"{rule}-s*")) if run_state(p, start=start) == "done"]
         if not runs:
             continue
         trained = [[r for r in records if r["iteration"] > 0] for records in runs]
@@ -48,27 +50,6 @@ def budget_table(out: Path) -> str:
             m, se = mean_se([sum(r[key] for r in t) / len(t) for t in trained])
             cells.append(f"{m:.2f} ± {se:.2f}" if m < 10 else f"{m:.0f} ± {se:.0f}")
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def iteration_table(out: Path) -> str:
-    """Per rule, pass@1 against iterations: the mean of its evaluations after iteration 0 (3, 6, ..., 30), mean +- SE
-    over seeds, and paired with lines on the same seed (mean +- SE of the per-seed differences)."""
-    curves = {rule: {} for rule in RULES}
-    for rule in RULES:
-        for run_dir in sorted(out.glob(f"{rule}-s*")):
-            if run_dir.name.rsplit("-s", 1)[0] == rule and run_state(run_dir) == "done":
-                evals = [r["eval_accuracy"] for r in read_metrics(run_dir / "metrics.jsonl")
-                         if "eval_accuracy" in r and r["iteration"] > 0]
-                curves[rule][int(run_dir.name.rsplit("-s", 1)[1])] = sum(evals) / len(evals)
-    lines = ["| rule | seeds | mean pass@1, iterations 3-30 | paired − lines |", "| --- | --- | --- | --- |"]
-    for rule, by_seed in curves.items():
-        if not by_seed:
-            continue
-        m, se = mean_se(list(by_seed.values()))
-        paired = [v - curves["lines"][seed] for seed, v in by_seed.items() if seed in curves["lines"]]
-        diff = "–" if rule == "lines" or not paired else "{:+.3f} ± {:.3f} ({})".format(*mean_se(paired), len(paired))
-        lines.append(f"| {rule} | {len(by_seed)} | {m:.3f} ± {se:.3f} | {diff} |")
     return "\n".join(lines)
 
 
@@ -130,26 +111,27 @@ def where_cuts(model_dir: Path, *, prompts: int = 64, samples: int = 8, seed: in
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    grid_arguments(parser, arm="rule", arms=RULES, out="results/branching")
-    parser.add_argument("--testbed", default="results/testbed", help="the testbed's folder: its SFT model, in sft/")
+    grid_arguments(parser, arm="rule", arms=RULES, out=OUT)
+    parser.add_argument("--testbed", default=TESTBED, help="the testbed's folder: its SFT model, in sft/ "
+                        "(the committed grid: --out results/branching --testbed results/testbed)")
     parser.add_argument("--where", action="store_true", help="run nothing: print where each rule cuts the SFT "
                         "model's responses (a batch of 64 x 8)")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     rules, seeds = grid_choices(args, arm="rule", arms=RULES)
     if args.where:
         return print(where_cuts(Path(args.testbed) / "sft"))
-    out, started = Path(args.out), time.time()
+    out, started, ran, sft_dir = Path(args.out), time.time(), [], Path(args.testbed) / "sft"
     out.mkdir(parents=True, exist_ok=True)
     if not args.redraw:
         sft_dir, _ = sft_stage(Path(args.testbed), settings=SFT_SETTINGS)  # the testbed's; made if missing
-        run_cells([(r, s) for s in seeds for r in rules], out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs,
-                  machine=this_machine(), arms=RULES)
-    text = summary(out, seeds, started=None if args.redraw else started, extra=extra, arms=RULES, baseline="lines",
-                   sft_dir=Path(args.testbed) / "sft")
-    text += (f"\nPass@1 against iterations (± SE over seeds):\n\n{iteration_table(out)}\n"
-             f"\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n{budget_table(out)}\n")
+        ran = run_cells([(r, s) for s in seeds for r in rules], out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs,
+                        machine=this_machine(), arms=RULES)
+    text, mine = summary(out, seeds, started=None if args.redraw else started, extra=extra, arms=RULES,
+                         baseline="lines", sft_dir=sft_dir, ran=ran)
+    start = sft_digest(sft_dir)
+    text += (f"\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n{budget_table(out, start=start)}\n")
     (out / "results.md").write_text(text)
-    print(text)
+    print(text + "\n" + mine)
 
 
 if __name__ == "__main__":

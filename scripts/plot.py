@@ -86,6 +86,12 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n) if n > 1 else 0.0)
 
 
+def pm(mean: float, se: float, n: int, *, signed: bool = False) -> str:
+    """"0.714 ± 0.007" over n > 1 seeds; with one seed there is no spread to show: "0.714 ± –"."""
+    text = f"{mean:+.3f}" if signed else f"{mean:.3f}"
+    return f"{text} ± {se:.3f}" if n > 1 else f"{text} ± –"
+
+
 def area(curve: list[tuple[float, float]], *, minutes: float) -> float:
     """Mean pass@1 over [0, minutes] of the held curve: the area under pass@1-vs-time divided by the time."""
     edges = [m for m, _ in curve if m < minutes] + [minutes]
@@ -136,10 +142,12 @@ def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: st
     for name, s in summary.items():
         reach = f"{s['minutes_to_threshold']:.1f} ({s['reached']}/{s['seeds']})" if s["reached"] else f"never (0/{s['seeds']})"
         vs = ["–", "–"] if name == baseline or not s["paired"] else [
-            f"{s[k]:+.3f} ± {s[k + '_se']:.3f} ({s['paired']})" for k in ("final_vs_baseline", "area_vs_baseline")]
-        lines.append(f"| {name} | {s['seeds']} | {s['final']:.3f} ± {s['final_se']:.3f} | "
-                     f"{s['gain']:+.3f} ± {s['gain_se']:.3f} | {s['best']:.3f} | "
-                     f"{s['area']:.3f} ± {s['area_se']:.3f} | {reach} | {s['kl_ref']:.2e} | "
+            f"{pm(s[k], s[k + '_se'], s['paired'], signed=True)} ({s['paired']})"
+            for k in ("final_vs_baseline", "area_vs_baseline")]
+        n = s["seeds"]
+        lines.append(f"| {name} | {n} | {pm(s['final'], s['final_se'], n)} | "
+                     f"{pm(s['gain'], s['gain_se'], n, signed=True)} | {s['best']:.3f} | "
+                     f"{pm(s['area'], s['area_se'], n)} | {reach} | {s['kl_ref']:.2e} | "
                      f"{s['seconds_per_iteration']:.0f} | {s['collapsed']} | {vs[0]} | {vs[1]} |")
     return "\n".join(lines)
 

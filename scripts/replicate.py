@@ -21,7 +21,6 @@ and the summary over seeds from plot.summarize_grid), and with --extras the valu
 and only summarizes, as a grid spread over sittings needs between them.
 """
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint import weights_sha256
 from model import cpu_bf16_units, pick_dtype
 from scripts.plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
 
@@ -119,8 +119,7 @@ def sft_stage(out: Path, *, settings: list[str] = SFT_SETTINGS) -> tuple[Path, s
         print("$", " ".join(cmd), flush=True)
         if subprocess.run(cmd, cwd=ROOT).returncode != 0:
             raise SystemExit("error: the SFT stage failed; see its output above")
-    with open(sft_dir / "model.safetensors", "rb") as f:  # streamed: the fp32 weights are ~540 MB
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    digest = weights_sha256(sft_dir)  # what train.py records in each run's start.json
     (sft_dir / "model.sha256").write_text(digest + "\n")
     return sft_dir, digest
 

@@ -4,6 +4,7 @@ the paper's batch size, through the same train.py as the real runs.
     python -m scripts.testbed                        SFT, then one seed of vine, vine-adaptive, critic, grpo, rloo
     python -m scripts.testbed --seeds 0,1,2,3,4      the grid (restartable: finished runs are skipped)
     python -m scripts.testbed --redraw               only the summary and the pictures from the finished runs
+    python -m scripts.testbed --out results/testbed  the committed reference grid (default: runs/testbed, ignored by git)
 
 1. SFT (sft.py SFT_SETTINGS, once, into OUT/sft): a 1M-parameter Llama with a character tokenizer, from random
    weights, on `chain` (arith's problems written compactly: "13 *3 -3 -30 -4" -> "13*3=39\\n...\\n####2"), stopped
@@ -11,11 +12,14 @@ the paper's batch size, through the same train.py as the real runs.
 2. RL (train.py SETTINGS + the estimator's flags) from that model, its reference too: 64 prompts x 8 samples an
    iteration (the paper's 512 episodes), the same number of iterations for every estimator, greedy pass@1 on the 500
    test problems every EVAL_EVERY iterations.
-Each run is a folder OUT/<estimator>-s<seed> (metrics.jsonl; its checkpoint, not committed, lets a cut run resume).
+Each run is a folder OUT/<estimator>-s<seed> (metrics.jsonl; start.json, the sha256 of the SFT weights it started
+from; its checkpoint, not committed, lets a cut run resume). A run counts as done only if it started from OUT/sft's
+model: one made from another is a one-line error, never reused.
 --jobs N runs N cells at once, each on one thread (the tiny model's ops are too small to share out): 2 on a 2-core
 machine; each run's wall-clock is then measured beside one other run (recorded in machine.json).
 Then OUT/results.md, results.json and curves.png over every finished run: pass@1 against iterations and against
-training minutes (mean +- SE over seeds), test pass@1 against train reward, and the paired differences to vine.
+training minutes (mean +- SE over seeds), test pass@1 against train reward, and the paired differences to vine;
+printed after it, this invocation's runs and the committed reference grid (REFERENCE) beside them.
 """
 import argparse
 import json
@@ -24,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.plot import mean_se, plot_bands, read_metrics, summarize_grid, summary_markdown
+from scripts.plot import mean_se, plot_bands, pm, read_metrics, summarize_grid, summary_markdown
 from scripts.replicate import ESTIMATORS, describe, sft_stage, summarize, table, this_machine
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train.py and sft.py run from there
@@ -37,6 +41,8 @@ SFT_SETTINGS = [*TASK, "--model", "scratch", "--max-steps", "300", "--batch-size
 # lines. A run decayed to 0 over 300 steps reached ~0.48 but RL did not move it (docs/testbed.md: the sweep).
 ITERATIONS, EVAL_EVERY = 30, 3
 THRESHOLD = 0.7  # pass@1 whose time to reach the summary reports (the SFT start: ~0.54)
+OUT = "runs/testbed"  # the default output, ignored by git; the committed grid is written only when --out names it
+REFERENCE = "results/testbed"  # the committed 5-seed grid a newcomer's run is placed beside
 SETTINGS = [*TASK, "--prompts-per-iter", "64", "--samples-per-prompt", "8", "--minibatch-size", "64",
             "--micro-batch-size", "32", "--epochs", "1", "--lr", "5e-5", "--value-lr", "1e-3", "--no-lr-decay",
             "--warmup-ratio", "0", "--kl-coef", "1e-4", "--eval-size", "500", "--eval-samples", "1",
@@ -44,12 +50,21 @@ SETTINGS = [*TASK, "--prompts-per-iter", "64", "--samples-per-prompt", "8", "--m
             "--iterations", str(ITERATIONS), "--sampler", "hf", "--dtype", "float32", "--gen-batch-size", "512"]
 
 
-def run_state(run_dir: Path) -> str:
-    """"done": the metrics end with the last iteration's evaluation; "resume": cut off with a checkpoint; "fresh"."""
+def recorded_start(run_dir: Path) -> str | None:
+    """The sha256 of the weights a run started from (train.py's OUT/start.json), or None if it records none."""
+    path = run_dir / "start.json"
+    return json.loads(path.read_text()).get("model_sha256") if path.exists() else None
+
+
+def run_state(run_dir: Path, *, start: str | None = None) -> str:
+    """"done": the metrics end with the last iteration's evaluation; "resume": cut off with a checkpoint; "fresh";
+    with `start` (the SFT weights' sha256) also "other start": a run, done or cut off, that records another start or
+    none, which a grid must not count as its own."""
     records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
-    if records and records[-1].get("iteration") == ITERATIONS and "eval_accuracy" in records[-1]:
-        return "done"
-    return "resume" if (run_dir / "latest").exists() else "fresh"
+    done = bool(records) and records[-1].get("iteration") == ITERATIONS and "eval_accuracy" in records[-1]
+    if (done or (run_dir / "latest").exists()) and start is not None and recorded_start(run_dir) != start:
+        return "other start"
+    return "done" if done else "resume" if (run_dir / "latest").exists() else "fresh"
 
 
 def command(estimator: str, seed: int, *, out: Path, sft_dir: Path, extra: list[str],
@@ -62,10 +77,15 @@ def command(estimator: str, seed: int, *, out: Path, sft_dir: Path, extra: list[
 
 
 def run_cells(cells: list[tuple[str, int]], *, out: Path, sft_dir: Path, extra: list[str], jobs: int,
-              machine: dict, arms: dict[str, list[str]] = ESTIMATORS):
-    """Run the cells that are not done, `jobs` at a time; each writes its output to its folder's log.txt."""
-    todo = [(e, s) for e, s in cells if run_state(out / f"{e}-s{s}") != "done"]
-    running = []
+              machine: dict, arms: dict[str, list[str]] = ESTIMATORS) -> list[str]:
+    """Run the cells that are not done, `jobs` at a time; each writes its output to its folder's log.txt. A cell
+    made from another SFT model than sft_dir's is a one-line error, never reused. Returns the cells run."""
+    start = sft_digest(sft_dir)
+    states = {(e, s): run_state(out / f"{e}-s{s}", start=start) for e, s in cells}
+    if other := [f"{e}-s{s}" for (e, s), state in states.items() if state == "other start"]:
+        raise SystemExit(f"error: {out}: {', '.join(other)} started from another model than {sft_dir} (sha256 "
+                         f"{start[:12]}; see their start.json): pass a new --out, or move those runs away")
+    todo, ran, running = [cell for cell in cells if states[cell] != "done"], [], []
     while todo or running:
         while todo and len(running) < jobs:
             estimator, seed = todo.pop(0)
@@ -85,26 +105,38 @@ def run_cells(cells: list[tuple[str, int]], *, out: Path, sft_dir: Path, extra: 
             if process.returncode != 0:
                 raise SystemExit(f"error: the {estimator} run (seed {seed}) failed; see {out}/{estimator}-s{seed}/log.txt")
             print(f"{estimator} seed {seed}: done", flush=True)
+            ran.append(f"{estimator}-s{seed}")
+    return ran
+
+
+def sft_digest(sft_dir: Path) -> str | None:
+    """The SFT model's sha256 (model.sha256, which sft_stage writes and the grids commit), or None."""
+    path = sft_dir / "model.sha256"
+    return path.read_text().strip() if path.exists() else None
 
 
 def summary(out: Path, seeds: list[int], *, started: float, extra: list[str], arms: dict[str, list[str]] = ESTIMATORS,
-            baseline: str = "vine", sft_dir: Path | None = None) -> str:
-    """results.md, results.json and curves.png over every finished run in out (paired differences to `baseline`)."""
-    rows, runs, seen = [], {}, sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if p.is_dir()
-                                       and p.name.rsplit("-s", 1)[1].isdigit()} | set(seeds))
+            baseline: str = "vine", sft_dir: Path | None = None, ran: list[str] = ()) -> tuple[str, str]:
+    """results.md, results.json and curves.png over every finished run in out made from sft_dir's model (paired
+    differences to `baseline`). Returns results.md's text and the table of `ran`, this invocation's runs, beside
+    the reference grid (invocation_table; empty if it ran none)."""
+    sft_dir = sft_dir or out / "sft"
+    digest, rows, runs, other = sft_digest(sft_dir), [], {}, []
+    seen = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if p.is_dir()
+                   and p.name.rsplit("-s", 1)[1].isdigit()} | set(seeds))
     for seed in seen:
         for estimator in arms:
             run_dir = out / f"{estimator}-s{seed}"
-            if run_state(run_dir) == "done":
+            state = run_state(run_dir, start=digest)
+            other += [run_dir.name] if state == "other start" else []
+            if state == "done":
                 records = read_metrics(run_dir / "metrics.jsonl")
                 rows.append(summarize(records, estimator, seed))
                 runs.setdefault(estimator, {})[seed] = records
     if not rows:
         raise SystemExit(f"error: no finished run in {out} to summarize")
     budget = max(r["train_minutes"] for r in rows) * 60  # the longest run: the time axis of the summary
-    sft_dir = sft_dir or out / "sft"
-    start = [json.loads(l) for l in (sft_dir / "metrics.jsonl").read_text().splitlines()][-1] \
-        if (sft_dir / "metrics.jsonl").exists() else {}
+    start = read_metrics(sft_dir / "metrics.jsonl")[-1] if (sft_dir / "metrics.jsonl").exists() else {}
     grid = summarize_grid(runs, budget=budget, threshold=THRESHOLD, baseline=baseline)
     plot_bands(runs, str(out / "curves.png"), budget=budget)
     machines = set()
@@ -115,16 +147,70 @@ def summary(out: Path, seeds: list[int], *, started: float, extra: list[str], ar
             machines.add(f"{describe(machine)}, {machine.get('jobs', 1)} run(s) at once")
     text = (f"SFT from scratch: `sft.py {' '.join(SFT_SETTINGS)}`; its greedy pass@1 on the 500 test problems: "
             f"{start.get('eval_accuracy', float('nan')):.3f} ± {start.get('eval_se', float('nan')):.3f}, first wrong "
-            f"line of the wrong answers: {start.get('first_wrong_line')}.\n\n"
+            f"line of the wrong answers: {start.get('first_wrong_line')}; sha256 {digest}.\n\n"
             f"RL: {ITERATIONS} iterations of 64 x 8 for every arm; settings `{' '.join(SETTINGS + extra)}`; arms: "
             + "; ".join(f"{name} `{' '.join(flags)}`" for name, flags in arms.items()) + ".\n"
             f"Machines: {'; '.join(sorted(machines))}.\n"
+            + (f"Left out, made from another SFT model: {', '.join(other)}.\n" if other else "")
             + (f"This invocation: {(time.time() - started) / 60:.0f} min.\n\n" if started else "\n") +
-            f"{summary_markdown(grid, threshold=THRESHOLD, baseline=baseline)}\n\n{signal_table(runs)}\n\nPer run:\n\n{table(rows)}\n")
+            f"{summary_markdown(grid, threshold=THRESHOLD, baseline=baseline)}\n\nPass@1 against iterations (± SE over "
+            f"seeds):\n\n{iteration_table(out, arms=arms, baseline=baseline, start=digest)}\n\n"
+            f"{signal_table(runs)}\n\nPer run:\n\n{table(rows)}\n")
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"sft": SFT_SETTINGS, "settings": SETTINGS + extra, "runs": rows,
-                                                  "summary": grid}, indent=1))
-    return text
+    (out / "results.json").write_text(json.dumps({"sft": SFT_SETTINGS, "sft_sha256": digest, "settings": SETTINGS + extra,
+                                                  "runs": rows, "summary": grid}, indent=1))
+    mine = [r for r in rows if f"{r['estimator']}-s{r['seed']}" in ran]
+    return text, invocation_table(mine, out=out, digest=digest, start=start) if mine else ""
+
+
+def iteration_table(out: Path, *, arms: dict[str, list[str]], baseline: str, start: str | None) -> str:
+    """Per arm, pass@1 against iterations: the mean of its evaluations after iteration 0 (3, 6, ..., 30), mean +- SE
+    over seeds, and paired with `baseline` on the same seed (mean +- SE of the per-seed differences)."""
+    curves = {arm: {} for arm in arms}
+    for arm in arms:
+        for run_dir in sorted(out.glob(f"{arm}-s*")):
+            if run_dir.name.rsplit("-s", 1)[0] == arm and run_state(run_dir, start=start) == "done":
+                evals = [r["eval_accuracy"] for r in read_metrics(run_dir / "metrics.jsonl")
+                         if "eval_accuracy" in r and r["iteration"] > 0]
+                curves[arm][int(run_dir.name.rsplit("-s", 1)[1])] = sum(evals) / len(evals)
+    lines = [f"| arm | seeds | mean pass@1, iterations {EVAL_EVERY}-{ITERATIONS} | paired − {baseline} |",
+             "| --- | --- | --- | --- |"]
+    for arm, by_seed in curves.items():
+        if not by_seed:
+            continue
+        m, se = mean_se(list(by_seed.values()))
+        paired = [v - curves[baseline][seed] for seed, v in by_seed.items() if seed in curves.get(baseline, {})]
+        diff = "–" if arm == baseline or not paired else f"{pm(*mean_se(paired), len(paired), signed=True)} ({len(paired)})"
+        lines.append(f"| {arm} | {len(by_seed)} | {pm(m, se, len(by_seed))} | {diff} |")
+    return "\n".join(lines)
+
+
+def invocation_table(rows: list[dict], *, out: Path, digest: str | None, start: dict) -> str:
+    """What this invocation trained, for the person who ran it: each run's start, end and gain (± the SE of one
+    evaluation: one seed has no spread over seeds), minutes and seconds an iteration; where the curves are; and the
+    reference grid (REFERENCE, committed) beside it, saying whether it started from the same SFT model."""
+    lines = ["This invocation's runs (± the SE of one evaluation of 500 problems):", "",
+             "| run | pass@1 start | end | end − start | minutes | s / iteration |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        se = "–" if r["eval_se"] is None else f"{r['eval_se']:.3f}"
+        lines.append(f"| {r['estimator']}-s{r['seed']} | {r['start_pass1']:.3f} | {r['final_pass1']:.3f} | "
+                     f"{r['final_pass1'] - r['start_pass1']:+.3f} ± {se} | {r['wall_minutes']:.1f} | "
+                     f"{r['seconds_per_iteration']:.1f} |")
+    lines += ["", f"Curves: {out / 'curves.png'}; all runs in {out}: {out / 'results.md'}."]
+    reference = ROOT / REFERENCE
+    if out.resolve() != reference.resolve() and (reference / "results.json").exists():
+        ref = json.loads((reference / "results.json").read_text())
+        ref_digest, ref_start = sft_digest(reference / "sft"), read_metrics(reference / "sft" / "metrics.jsonl")[-1]
+        machine = json.loads(next(reference.glob("vine-s*/machine.json")).read_text())
+        gains = ", ".join(f"{name} {pm(s['gain'], s['gain_se'], s['seeds'], signed=True)}"
+                          for name, s in ref["summary"].items())
+        same = "the same SFT model as yours" if ref_digest == digest else (
+            f"another SFT model ({str(ref_digest)[:12]}, pass@1 {ref_start['eval_accuracy']:.3f}; yours "
+            f"{str(digest)[:12]}, {start.get('eval_accuracy', float('nan')):.3f}): SFT from scratch lands elsewhere on "
+            f"another CPU, so compare gains, not pass@1")
+        lines.append(f"Reference grid ({REFERENCE}, {max(s['seeds'] for s in ref['summary'].values())} seeds on "
+                     f"{describe(machine)}) started from {same}; its end − start, mean ± SE over seeds: {gains}.")
+    return "\n".join(lines)
 
 
 def signal_table(runs: dict[str, dict[int, list[dict]]]) -> str:
@@ -137,8 +223,8 @@ def signal_table(runs: dict[str, dict[int, list[dict]]]) -> str:
         cos = mean_se([sum(r.get("grad_cosine", 0.0) for r in t) / len(t) for t in trained])
         first = mean_se([sum(r["reward_mean"] for r in t[:3]) / 3 for t in trained])
         last = mean_se([sum(r["reward_mean"] for r in t[-3:]) / 3 for t in trained])
-        lines.append(f"| {name} | {cos[0]:.3f} ± {cos[1]:.3f} | {first[0]:.3f} ± {first[1]:.3f} | "
-                     f"{last[0]:.3f} ± {last[1]:.3f} |")
+        n = len(trained)
+        lines.append(f"| {name} | {pm(*cos, n)} | {pm(*first, n)} | {pm(*last, n)} |")
     return "\n".join(lines)
 
 
@@ -172,7 +258,8 @@ def grid_arguments(parser: argparse.ArgumentParser, *, arm: str, arms: dict[str,
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument(f"--{arm}s", default=",".join(arms), help=f"comma-separated, of {list(arms)}")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
-    parser.add_argument("--out", default=out, help="results folder")
+    parser.add_argument("--out", default=out, help=f"results folder (default {out}, outside git; the committed grid "
+                        "is written only when --out names it)")
     parser.add_argument("--redraw", action="store_true", help="run nothing: summarize the finished runs")
 
 
@@ -190,19 +277,19 @@ def grid_choices(args, *, arm: str, arms: dict[str, list[str]]) -> tuple[list[st
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    grid_arguments(parser, arm="estimator", arms=ESTIMATORS, out="results/testbed")
+    grid_arguments(parser, arm="estimator", arms=ESTIMATORS, out=OUT)
     parser.add_argument("--table", default=None, help="run nothing: print a table of the runs in this folder (a sweep)")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     estimators, seeds = grid_choices(args, arm="estimator", arms=ESTIMATORS)
     if args.table:
         return print(runs_table(Path(args.table)))
-    out, started = Path(args.out), time.time()
+    out, started, ran = Path(args.out), time.time(), []
     out.mkdir(parents=True, exist_ok=True)
     if not args.redraw:
         sft_dir, _ = sft_stage(out, settings=SFT_SETTINGS)  # once; resumed if it was cut off
         cells = [(e, s) for s in seeds for e in estimators]
-        run_cells(cells, out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs, machine=this_machine())
-    print(summary(out, seeds, started=None if args.redraw else started, extra=extra))
+        ran = run_cells(cells, out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs, machine=this_machine())
+    print("\n".join(summary(out, seeds, started=None if args.redraw else started, extra=extra, ran=ran)))
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def test_folder_data_set(tmp_path):
     write_jsonl(tmp_path / "test.jsonl", CUSTOM_ROWS[:1])
     train = load_split(str(tmp_path), "train", data_dir="ignored: a folder data set holds its own files")
     assert [e["answer"] for e in train] == ["5", "4.5", "1"] and train[2]["solution"] == "x - 1 = 0\nx = 1"
-    assert train[0] == {"question": "What is 2 + 3?", "answer": "5", "solution": ""}
+    assert train[0] == {"question": "What is 2 + 3?", "answer": "5", "solution": "", "where": f"{tmp_path}/train.jsonl:1"}
     assert len(load_split(str(tmp_path), "test")) == 1
     assert data.dataset_problem(str(tmp_path)) is None and data.task_of(str(tmp_path)) == "custom"
     (tmp_path / "test.jsonl").unlink()

@@ -56,6 +56,8 @@ def test_duration_and_progress():
     assert line == "12/650 (1.8%) elapsed 32m, 190 s/it, ETA 33.7h"  # 638 x 190 s left
     assert progress_line(done=12, total=650, first=2, elapsed=1900.0, budget_left=600).endswith("ETA 10m")
     assert progress_line(done=3, total=3, first=0, elapsed=30.0).endswith("10 s/it, ETA 0s")
+    assert progress_line(done=4, total=300, first=0, elapsed=10.0).endswith("2.5 s/it, ETA 12m")
+    assert progress_line(done=50, total=300, first=0, elapsed=12.0).endswith("4.2 it/s, ETA 60s")  # not "0 s/it"
 
 
 def resident_gb() -> float:

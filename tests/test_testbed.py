@@ -152,3 +152,48 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
                            + ["--resume"], **env_args)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((tmp_path / "rloo" / "metrics.jsonl").read_text().splitlines()[-1])["iteration"] == 3
+
+
+def finished_run(run_dir, *, start: str | None):
+    """A run folder whose metrics end with the last iteration's evaluation, started from `start` (None: unrecorded)."""
+    from scripts.testbed import ITERATIONS
+    run_dir.mkdir(parents=True)
+    records = [{"iteration": i, "eval_accuracy": 0.5 + i / 100, "eval_se": 0.02, "reward_mean": 0.5, "kl_ref": 0.0,
+                "train_seconds": 10.0 * i, "seconds": 10.0} for i in range(ITERATIONS + 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if start:
+        (run_dir / "start.json").write_text(json.dumps({"model_sha256": start}) + "\n")
+
+
+def test_a_grid_never_reuses_runs_made_from_another_sft_model(tmp_path, monkeypatch):
+    """run_state tells a finished run of this SFT model from one of another (or of none recorded); run_cells refuses
+    a folder holding the latter in one line before running anything, and the summary leaves it out."""
+    import scripts.testbed as testbed
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "model.sha256").write_text("a" * 64 + "\n")
+    finished_run(tmp_path / "vine-s0", start="a" * 64)
+    finished_run(tmp_path / "grpo-s0", start="b" * 64)
+    finished_run(tmp_path / "rloo-s0", start=None)
+    assert testbed.run_state(tmp_path / "vine-s0", start="a" * 64) == "done"
+    assert testbed.run_state(tmp_path / "grpo-s0", start="a" * 64) == "other start"
+    assert testbed.run_state(tmp_path / "rloo-s0", start="a" * 64) == "other start"
+    monkeypatch.setattr(testbed.subprocess, "Popen", lambda *a, **k: pytest.fail("nothing may run"))
+    assert testbed.run_cells([("vine", 0)], out=tmp_path, sft_dir=sft, extra=[], jobs=1, machine={}) == []
+    with pytest.raises(SystemExit, match=r"^error: .*: grpo-s0, rloo-s0 started from another model than .*sft "
+                                         r"\(sha256 aaaaaaaaaaaa; see their start.json\)"):
+        testbed.run_cells([("vine", 0), ("grpo", 0), ("rloo", 0)], out=tmp_path, sft_dir=sft, extra=[], jobs=1,
+                          machine={})
+    monkeypatch.undo()  # matplotlib's font cache runs a subprocess
+    text, mine = testbed.summary(tmp_path, [0], started=None, extra=[], ran=["vine-s0"])
+    assert "Left out, made from another SFT model: grpo-s0, rloo-s0." in text and "| vine | 1 |" in text
+    assert "| grpo |" not in text and "± 0.000" not in text  # one seed: no "± 0.000" as an SE
+    assert mine.splitlines()[4] == "| vine-s0 | 0.500 | 0.800 | +0.300 ± 0.020 | 5.2 | 10.0 |"
+    assert "Reference grid (results/testbed, 5 seeds" in mine and "another SFT model (fbaef8613d93" in mine
+
+
+def test_the_grids_write_outside_git_by_default():
+    """README's commands leave `git status` clean: the grids' default folders are under runs/, which .gitignore lists."""
+    from scripts import branching, testbed
+    assert testbed.OUT == "runs/testbed" and branching.OUT == "runs/branching" and branching.TESTBED == testbed.OUT
+    assert "runs/" in (REPO / ".gitignore").read_text().splitlines()

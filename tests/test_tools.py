@@ -147,7 +147,8 @@ def test_grid_statistics_by_hand():
     # paired with vine on the one seed both have (seed 1): final 0.05 - 0.3, area (0.2 * 5 + 0.05 * 5) / 10 - 0.24
     assert grpo["paired"] == 1 and grpo["final_vs_baseline"] == pytest.approx(-0.25)
     assert grpo["area_vs_baseline"] == pytest.approx(0.125 - 0.24) and vine["final_vs_baseline"] == 0.0
-    assert "| vine | 2 | 0.400 ± 0.100 | +0.200 ± 0.100 |" in table and "never (0/1)" in table and "| -0.250 ± 0.000 (1) |" in table
+    assert "| vine | 2 | 0.400 ± 0.100 | +0.200 ± 0.100 |" in table and "never (0/1)" in table and "| -0.250 ± – (1) |" in table
+    assert "| grpo | 1 | 0.050 ± – | -0.150 ± – |" in table  # one seed: no spread to show, never "± 0.000"
 
 
 def test_bands_end_at_each_runs_final_evaluation():
@@ -258,8 +259,8 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
                                      "--out", str(tmp_path), "--redraw", "--no-extras"])
     replicate.main()
     results = (tmp_path / "results.md").read_text()
-    assert "| vine | 1 | 0.400 ± 0.000 |" in results and "| critic |" not in results
-    assert "| grpo | 1 | 0.400 ± 0.000 |" in results  # the summary covers every finished run in --out
+    assert "| vine | 1 | 0.400 ± – |" in results and "| critic |" not in results
+    assert "| grpo | 1 | 0.400 ± – |" in results  # the summary covers every finished run in --out
     assert (tmp_path / "curves.png").exists() and not (cut / "machine.json").exists()
 
 
