@@ -110,7 +110,8 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
             sampler=sampler, prompts=episodes.prompts, responses=episodes.responses, step_starts=starts,
             rewards=rewards, answers=episodes.answers, grader=cfg.grader, K=cfg.k, temperature=cfg.temperature,
             top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None,
-            seed=seed, k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci)
+            seed=seed, k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci,
+            free_samples=cfg.free_samples)
         stats["steps_per_response"] = dist.mean(list(map(len, starts)))
         stats["value_mean"] = dist.mean([v for vs in values for v in vs[:-1]])
         return values, starts, stats

@@ -55,6 +55,11 @@ class Config:
     k_round: int = arg(3, "vines per state per round (adaptive, budget)")
     k_max: int = arg(27, "most vines per state (adaptive)")
     k_ci: float = arg(0.5, "adaptive: stop a state once its 95%% Wilson interval is narrower than this")
+    free_samples: str = arg("off", "the group's own rollouts as samples of a state's value (values.py): off (the "
+                                   "paper: K fresh vines only); add: K fresh vines plus the returns of the prompt's "
+                                   "other responses through the state (leave-one-out); topup: fresh vines only where "
+                                   "those fall short of K (the per-state --k-mode rules count them)",
+                            choices=["off", "add", "topup"])
     temperature: float = arg(0.6, "sampling temperature for rollouts and vines")
     top_p: float = arg(0.9, "nucleus sampling threshold")
     gamma: float = arg(1.0, "discount")
@@ -210,6 +215,9 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--vllm-max-batched-tokens must be at least 1 (got {cfg.vllm_max_batched_tokens})")
     if not cfg.k_ci > 0:
         parser.error(f"--k-ci must be above 0 (got {cfg.k_ci})")
+    if cfg.free_samples == "topup" and cfg.k_mode == "budget":
+        parser.error("--free-samples topup counts free samples state by state: it takes --k-mode fixed, adaptive or "
+                     "official, not budget")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
     if cfg.threads < 0:
@@ -277,7 +285,7 @@ def unwritable(path: Path) -> str | None:
 RUN_DEFINING = ("dataset", "grader", "estimator", "model", "prompt_format", "seed", "arith_ops", "arith_max", "k",
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
                 "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
-                "k_max", "k_ci")
+                "k_max", "k_ci", "free_samples")
 NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track", "task", "total_steps")  # derived
 
 

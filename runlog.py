@@ -285,4 +285,4 @@ def iteration_record(done: int, *, episodes, rewards: list[float], advantages: l
             "finished_frac": dist.mean([float(s.finished) for s in episodes.samples]),
             "advantage_mean": raw.mean().item(), "advantage_std": raw.std().item() if len(raw) > 1 else 0.0,
             "advantage_abs_mean": raw.abs().mean().item(), "lr": lr, **stats,
-            "tokens_per_s": generated / (meter.seconds["rollout"] + meter.seconds["values"])}
+            "sampled_tokens": generated, "tokens_per_s": generated / (meter.seconds["rollout"] + meter.seconds["values"])}

@@ -226,8 +226,8 @@ def round_sizes(rewards: list[list[float]], *, k_mode: str, K: int, k_round: int
     (largest posterior variance) while the budget lasts. official: the official repository's expander: 10, then 4 more
     while the normal interval 2 x 1.96 sqrt(p (1 - p) / n) is wider than 0.05, up to 30."""
     counts = [len(r) for r in rewards]
-    if k_mode == "fixed":
-        return [K if n == 0 else 0 for n in counts]
+    if k_mode == "fixed":  # K in all: K at once, or what free samples (counted in `rewards`) leave of K
+        return [max(0, K - n) for n in counts]
     if k_mode == "official":
         return [10 if n == 0 else 0 if n >= 30 or 2 * 1.96 * math.sqrt(p * (1 - p) / n) <= 0.05 else min(4, 30 - n)
                 for n, p in ((len(r), sum(r) / max(len(r), 1)) for r in rewards)]
@@ -251,12 +251,14 @@ PER_STATE_RULES = ("fixed", "adaptive", "official")  # round_sizes decides each 
 
 def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, grader: str, K: int, k_mode: str,
                  k_round: int, k_max: int, k_ci: float, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int = 0) -> tuple[list[list[float]], int]:
+                 seed: int = 0, prior: list[list[float]] | None = None) -> tuple[list[list[float]], int]:
     """The rewards of every state's vines, sampled in rounds (round_sizes; `fixed` is one round of K), and the number
     of tokens sampled: one sampler.sample_requests call, whose on_done (grade_and_continue) grades each state's
-    round and asks for its next one (budget: once every state's round is graded)."""
+    round and asks for its next one (budget: once every state's round is graded). prior[i]: rewards state i already
+    has (--free-samples topup), which round_sizes counts but which are not returned."""
     rule = dict(k_mode=k_mode, K=K, k_round=k_round, k_max=k_max, k_ci=k_ci)
-    tally = {"rewards": [[] for _ in sequences], "tokens": 0, "open": 0}  # open: requests of a budget round
+    prior = prior or [[] for _ in sequences]
+    tally = {"rewards": [list(p) for p in prior], "tokens": 0, "open": 0}  # open: requests of a budget round
     first = round_requests(tally, round_=0, rule=rule, seed=seed)
     if first:
         on_done = partial(grade_and_continue, tally=tally, rule=rule, seed=seed, sequences=sequences,
@@ -264,7 +266,7 @@ def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, grade
                           tokenizer=sampler.tokenizer)
         sampler.sample_requests(sequences, prefix_lens, first, on_done=on_done, temperature=temperature, top_p=top_p,
                                 max_new_tokens=[max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)])
-    return tally["rewards"], tally["tokens"]
+    return [r[len(p):] for r, p in zip(tally["rewards"], prior)], tally["tokens"]
 
 
 def round_requests(tally: dict, *, round_: int, rule: dict, seed: int) -> list[Request]:
@@ -303,10 +305,25 @@ def split_states(costs: list[float], *, parts: int) -> list[list[int]]:
     return [sorted(part) for part in out]
 
 
+def responses_through(keys: list[tuple], *, sequences: list[tuple], groups: dict[tuple, list[int]],
+                      prompt_of: list[tuple]) -> list[list[int]]:
+    """For each state (keys[i]: its tokens, prompt + prefix; prompt_of[i]: its prompt), the responses that pass
+    through it: those of its prompt (groups: prompt -> response indices) whose prompt + response tokens (sequences)
+    begin with the state's tokens. From the state on, each of them is a sample of the policy, as a vine is."""
+    return [[j for j in groups[prompt] if sequences[j][:len(key)] == key] for key, prompt in zip(keys, prompt_of)]
+
+
+def free_value(*, fresh_sum: float, fresh_count: int, through: list[int], rewards: list[float], own: int) -> float:
+    """A state's value for response `own` with free samples: the mean over its fresh vines and the returns of the
+    other responses through it (leave-one-out: response `own`'s reward never enters its own states' values)."""
+    others = [rewards[j] for j in through if j != own]
+    return (fresh_sum + sum(others)) / max(fresh_count + len(others), 1)
+
+
 def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]],
                     rewards: list[float], answers: list[str], grader: str, K: int, temperature: float, top_p: float,
                     max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0, k_mode: str = "fixed",
-                    k_round: int = 3, k_max: int = 27, k_ci: float = 0.5):
+                    k_round: int = 3, k_max: int = 27, k_ci: float = 0.5, free_samples: str = "off"):
     """MC value of every state of every response.
 
     prompts[i], responses[i]: token ids; step_starts[i]: first token of each step (from step_token_starts);
@@ -316,30 +333,47 @@ def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[i
     Under torchrun the states of all ranks are pooled and deduplicated, then dealt out by their expected vine tokens
     (K x what the sampled response had left after the state; split_states): each state is estimated once, on one
     rank, whatever the world size, and every rank gets every value back. k_mode etc.: how many vines (round_sizes).
+    free_samples (docs/free-samples.md): for each distinct state (after the cap), the responses passing through it
+    (responses_through) are samples of its value too. "add": response i's value of the state is the mean over K
+    fresh vines and the rewards of the other responses through it (free_value, leave-one-out); "topup": the same
+    mean, with fresh vines only where the others fall short of K (round_sizes counts the |through| - 1 rewards of all
+    but the first response through the state). Under torchrun a rank's free samples are its own responses.
     """
-    state_of, requests = [], {}  # state_of[i][j]: the key (prompt + prefix) of response i's state j
+    sequences = [tuple(p + r) for p, r in zip(prompts, responses)]
+    groups = {}  # prompt -> its responses (a prompt drawn twice in a batch: all its responses)
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(i)
+    state_of, requests, through = [], {}, {}  # state_of[i][j]: the key (prompt + prefix) of response i's state j
     for i, (prompt, response, starts) in enumerate(zip(prompts, responses, step_starts)):
         cap = len(starts) if max_value_steps is None else min(len(starts), max_value_steps)
         state_of.append([tuple(prompt + response[:s]) for s in starts[:cap]])
         for key, s in zip(state_of[-1], starts):  # any response holding a state will do to continue it
-            requests.setdefault(key, (prompt + response, len(key), len(prompt), answers[i], K * (len(response) - s)))
+            if free_samples != "off" and key not in through:
+                through[key] = responses_through([key], sequences=sequences, groups=groups,
+                                                 prompt_of=[tuple(prompt)])[0]
+            prior = [rewards[j] for j in through[key][1:]] if free_samples == "topup" else []
+            requests.setdefault(key, (prompt + response, len(key), len(prompt), answers[i],
+                                      max(K - len(prior), 0) * (len(response) - s), prior))
     pooled = {}
     for part in dist.all_gather(requests):
-        for key, request in part.items():
-            pooled.setdefault(key, request)
+        for key, request in part.items():  # a state on two ranks: the one with fewer free samples (more vines)
+            if key not in pooled or len(request[5]) < len(pooled[key][5]):
+                pooled[key] = request
     keys = sorted(pooled)  # the same order on every rank
     mine = [keys[i] for i in split_states([pooled[k][4] for k in keys], parts=dist.world())[dist.rank()]]
     scores, vine_tokens = vine_rewards(sampler=sampler, sequences=[pooled[k][0] for k in mine],
                                        prefix_lens=[pooled[k][1] for k in mine], prompt_lens=[pooled[k][2] for k in mine],
                                        answers=[pooled[k][3] for k in mine], grader=grader, K=K, k_mode=k_mode,
                                        k_round=k_round, k_max=k_max, k_ci=k_ci, temperature=temperature, top_p=top_p,
-                                       max_new_tokens=max_new_tokens, seed=seed)
-    value = {}
-    for part in dist.all_gather({key: sum(sc) / len(sc) for key, sc in zip(mine, scores)}):
-        value.update(part)
+                                       max_new_tokens=max_new_tokens, seed=seed, prior=[pooled[k][5] for k in mine])
+    fresh = {}  # key -> (sum, count) of its fresh vines' rewards
+    for part in dist.all_gather({key: (sum(sc), len(sc)) for key, sc in zip(mine, scores)}):
+        fresh.update(part)
     values = []
     for i, states in enumerate(state_of):
-        estimated = [value[key] for key in states]
+        estimated = [fresh[key][0] / max(fresh[key][1], 1) if free_samples == "off" else
+                     free_value(fresh_sum=fresh[key][0], fresh_count=fresh[key][1], through=through[key],
+                                rewards=rewards, own=i) for key in states]
         filled = [rewards[i]] * (len(step_starts[i]) - len(states))  # past the cap: V = final reward (gamma = 1)
         values.append(estimated + filled + [0.0])
     counts = [len(sc) for sc in scores]
@@ -348,4 +382,6 @@ def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[i
     stats = {"value_states": len(keys), "value_states_requested": int(totals[0]), "vines": int(totals[2]),
              "vine_tokens": int(totals[1]), "vines_per_state": int(totals[2]) / max(len(keys), 1),
              "vines_per_state_max": most}
+    if free_samples != "off":  # the others through a state, per distinct state of this rank
+        stats["free_per_state"] = dist.mean([len(members) - 1 for members in through.values()])
     return values, stats

@@ -205,7 +205,7 @@ def invocation_table(rows: list[dict], *, out: Path, digest: str | None, start: 
         gains = ", ".join(f"{name} {pm(s['gain'], s['gain_se'], s['seeds'], signed=True)}"
                           for name, s in ref["summary"].items())
         same = "the same SFT model as yours" if ref_digest == digest else (
-            f"another SFT model ({str(ref_digest)[:12]}, pass@1 {ref_start['eval_accuracy']:.3f}; yours "
+            f"another SFT model ({str(ref_digest)[:12]}, its SFT evaluation {ref_start['eval_accuracy']:.3f}; yours "
             f"{str(digest)[:12]}, {start.get('eval_accuracy', float('nan')):.3f}): SFT from scratch lands elsewhere on "
             f"another CPU, so compare gains, not pass@1")
         lines.append(f"Reference grid ({REFERENCE}, {max(s['seeds'] for s in ref['summary'].values())} seeds on "

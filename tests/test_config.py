@@ -35,6 +35,8 @@ def one_error_line(argv, capsys) -> str:
      "--estimator rloo compares each response with the others of its problem: it needs --samples-per-prompt 2 or more "
      "(got 1)"),
     (["--dataset", "svamp"], "--dataset svamp: not gsm8k, math, arith, chain, nor a folder holding train.jsonl and test.jsonl"),
+    (["--free-samples", "topup", "--k-mode", "budget"], "--free-samples topup counts free samples state by state: it "
+                                                          "takes --k-mode fixed, adaptive or official, not budget"),
 ])
 def test_each_bad_flag_is_one_line(argv, message, capsys):
     assert one_error_line(["--device", "cpu", *argv], capsys) == message

@@ -133,6 +133,7 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
     for name, flags in (("vine", ["--estimator", "vine", "--k", "2"]),
                         ("adaptive", ["--estimator", "vine", "--k-mode", "adaptive", "--k-round", "2", "--k-max", "4"]),
                         ("lowprob", ["--estimator", "vine", "--k", "2", "--step-split", "lowprob:0.9"]),
+                        ("free", ["--estimator", "vine", "--k", "2", "--free-samples", "topup"]),
                         ("entropy", ["--estimator", "vine", "--k", "2", "--step-split", "entropy:0.2"]),
                         ("critic", ["--estimator", "critic"]), ("grpo", ["--estimator", "grpo"]),
                         ("rloo", ["--estimator", "rloo"])):
@@ -147,6 +148,11 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
         assert "grad_cosine" in records[1] and -1 <= records[1]["grad_cosine"] <= 1  # two micro-batches a step
         if flags[1] == "vine":
             assert records[1]["steps_per_response"] >= 1 and abs(records[1]["ratio"] - 1) < 0.1  # old log-probs right
+        if name == "free":  # the prompt state alone is passed through by both responses: one free sample there
+            assert records[1]["free_per_state"] >= 1 / records[1]["value_states"] and records[1]["vines"] < 2 * \
+                records[1]["value_states"]
+        assert json.loads((out / "start.json").read_text())["model_sha256"] == json.loads(
+            (tmp_path / "vine" / "start.json").read_text())["model_sha256"]  # every run records the same start
         assert (out / "latest").exists()
     again = subprocess.run(cmd[:cmd.index("--iterations") + 1] + ["3"] + cmd[cmd.index("--iterations") + 2:]
                            + ["--resume"], **env_args)

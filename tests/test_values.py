@@ -132,6 +132,55 @@ def test_estimate_values_exact_means_dedup_cap_truncation():
     assert stats["value_states"] == 2
 
 
+def test_free_samples_leave_one_out_on_a_hand_built_group():
+    """--free-samples: the other responses through a state are samples of its value; a response's own reward never
+    enters its own states' values. States of the group (prompt [7, 7]): [] and [0] are passed through by all three
+    responses, [0, 1] by responses 0 and 1 (response 1 has no boundary of its own there), [0, 1, 2] by 0, [0, 2] by 2."""
+    from values import responses_through, round_sizes
+    prompt, responses = [7, 7], [[0, 1, 2, 3, 9], [0, 1, 4, 9], [0, 2, 3, 9]]
+    starts, rewards = [[0, 1, 2, 3], [0, 1], [0, 1, 2]], [1.0, 0.0, 1.0]
+    sequences = [tuple(prompt + r) for r in responses]
+    keys = [(7, 7), (7, 7, 0), (7, 7, 0, 1), (7, 7, 0, 1, 2), (7, 7, 0, 2), (7, 7, 1)]
+    assert responses_through(keys, sequences=sequences, groups={(7, 7): [0, 1, 2]}, prompt_of=[(7, 7)] * 6) == [
+        [0, 1, 2], [0, 1, 2], [0, 1], [0], [2], []]
+    assert round_sizes([[1.0, 0.0], [], [1.0] * 9], k_mode="fixed", K=9, k_round=3, k_max=27, k_ci=0.5) == [7, 9, 0]
+    run = dict(prompts=[prompt] * 3, responses=responses, step_starts=starts, answers=["1"] * 3, grader="gsm8k",
+               temperature=0.6, top_p=0.9, max_new_tokens=10)
+    # add: K = 9 fresh vines (w / 9 right, ScriptedSampler) plus the others' rewards
+    values, stats = estimate_values(sampler=ScriptedSampler(wins={0: 2, 1: 4, 2: 6, 3: 8}), rewards=rewards, K=9,
+                                    free_samples="add", **run)
+    assert values[0] == pytest.approx([(2 + 0 + 1) / 11, (4 + 0 + 1) / 11, (6 + 0) / 10, 8 / 9, 0.0])
+    assert values[1] == pytest.approx([(2 + 1 + 1) / 11, (4 + 1 + 1) / 11, 0.0])
+    assert values[2] == pytest.approx([(2 + 1 + 0) / 11, (4 + 1 + 0) / 11, 6 / 9, 0.0])
+    assert stats["vines"] == 45 and stats["free_per_state"] == pytest.approx((2 + 2 + 1 + 0 + 0) / 5)
+    flipped, _ = estimate_values(sampler=ScriptedSampler(wins={0: 2, 1: 4, 2: 6, 3: 8}), rewards=[0.0, 0.0, 1.0], K=9,
+                                 free_samples="add", **run)
+    assert flipped[0] == values[0] and flipped[1] != values[1]  # its own reward is not in its own values
+    # topup: fresh vines only up to K with the others counted: [] and [0] get 9 - 2, [0, 1] 9 - 1, the rest 9
+    sampler = ScriptedSampler(wins={0: 2, 1: 4, 2: 6, 3: 8})
+    values, stats = estimate_values(sampler=sampler, rewards=rewards, K=9, free_samples="topup", **run)
+    assert stats["vines"] == 7 + 7 + 8 + 9 + 9
+    assert values[0] == pytest.approx([(2 + 0 + 1) / 9, (4 + 0 + 1) / 9, (6 + 0) / 9, 8 / 9, 0.0])
+    assert values[1] == pytest.approx([(2 + 1 + 1) / 9, (4 + 1 + 1) / 9, 0.0])
+    # where the others alone reach K, no vine is sampled: K = 2 leaves [] and [0] to the other two responses
+    sampler = Unanimous()
+    values, stats = estimate_values(sampler=sampler, rewards=rewards, K=2, free_samples="topup", **run)
+    assert stats["vines"] == 0 + 0 + 1 + 2 + 2 and sorted(L for _, lens, _ in sampler.calls for L in lens) == [4, 4, 5]
+    assert values[0] == pytest.approx([(0 + 1) / 2, (0 + 1) / 2, (1 + 0) / 2, 1.0, 0.0])
+    assert values[1] == pytest.approx([(1 + 1) / 2, (1 + 1) / 2, 0.0])
+
+
+class Unanimous(InWaves):
+    """Every vine right; records the prefix lengths it is asked to continue."""
+
+    def __init__(self):
+        self.tokenizer, self.calls = CharTokenizer(), []
+
+    def sample_prefixes(self, sequences, prefix_lens, *, n, temperature, top_p, max_new_tokens, seed):
+        self.calls.append((sequences, prefix_lens, n))
+        return [[Sample([3, 9], "#### 1", True, [0.0, 0.0])] * n for _ in sequences]
+
+
 class SeededSampler(InWaves):
     """Each vine right ("#### 1") with its state's probability p(L) (L = prefix tokens past the 2-token prompt), drawn
     from a hash of (seed, state, vine index): the same seed gives the same vines."""

@@ -1,0 +1,171 @@
+"""Vines for less: the group's own rollouts as free samples of each state's value (--free-samples), on the testbed.
+
+    python -m scripts.free_samples --seeds 0,1,2,3,4     the grid (restartable: finished runs are skipped)
+    python -m scripts.free_samples --redraw              only the summary from the finished runs
+    python -m scripts.free_samples --values              Fig. 3 for the free-sample variants on the SFT model
+
+Every arm is train.py with the testbed's settings (scripts/testbed.py SETTINGS), from the testbed's SFT model
+(--testbed/sft, made once if missing), seeds paired:
+    vine        --estimator vine: K = 9 fresh vines at every state (the paper)
+    vine-free   --estimator vine --free-samples topup: the responses of the same prompt that pass through a state are
+                samples of its value (leave-one-out); fresh vines only where they fall short of K = 9
+    grpo        --estimator grpo
+Compared on three cost axes, paired with vine by seed: per iteration (mean pass@1 over the evaluations after 0), per
+sampled token (rollout + vine tokens: what a GPU pays; pass@1 held between evaluations, averaged over the tokens up to
+the costliest run's total) and per training wall-clock (the testbed summary). OUT/results.md, results.json,
+curves.png. --values compares the value estimates themselves (values.estimate_values, as training calls it) against
+a 256-vine truth on groups of 8 responses: K = 9 fresh, free + 9 fresh (add), free + top-up to 9 (topup).
+"""
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+from scripts.plot import area, mean_se, pm, read_metrics
+from scripts.replicate import sft_stage, this_machine
+from scripts.testbed import OUT as TESTBED
+from scripts.testbed import SFT_SETTINGS, grid_arguments, grid_choices, run_cells, run_state, sft_digest, summary
+
+OUT = "runs/free-samples"  # the default output, ignored by git (the committed grid: --out results/free-samples)
+ARMS = {"vine": ["--estimator", "vine"], "vine-free": ["--estimator", "vine", "--free-samples", "topup"],
+        "grpo": ["--estimator", "grpo"]}
+BATCH = 64 * 8  # responses an iteration (SETTINGS)
+
+
+def token_curve(records: list[dict]) -> list[tuple[float, float]]:
+    """(millions of tokens sampled so far, pass@1) at every evaluation: rollout + vine tokens of the iterations up to
+    it (sampled_tokens; runs from before it was logged: response_length x BATCH + vine_tokens)."""
+    out, total = [], 0.0
+    for r in records:
+        if r["iteration"] > 0:
+            total += r.get("sampled_tokens", r["response_length"] * BATCH + r.get("vine_tokens", 0))
+        if "eval_accuracy" in r:
+            out.append((total / 1e6, r["eval_accuracy"]))
+    return out
+
+
+def cost_table(out: Path, *, start: str | None, baseline: str = "vine") -> str:
+    """Per arm, mean +- SE over seeds and paired with `baseline` by seed: mean pass@1 over the evaluations after
+    iteration 0 (per iteration), mean pass@1 over sampled tokens (up to the costliest run's total), and the cost of an
+    iteration: tokens sampled, vines, free samples per state, seconds."""
+    runs = {arm: {} for arm in ARMS}
+    for arm in ARMS:
+        for run_dir in sorted(out.glob(f"{arm}-s*")):
+            if run_dir.name.rsplit("-s", 1)[0] == arm and run_state(run_dir, start=start) == "done":
+                runs[arm][int(run_dir.name.rsplit("-s", 1)[1])] = read_metrics(run_dir / "metrics.jsonl")
+    budget = max((token_curve(r)[-1][0] for seeds in runs.values() for r in seeds.values()), default=0.0)
+    per_it = {arm: {s: sum(a for _, a in token_curve(r)[1:]) / len(token_curve(r)[1:]) for s, r in seeds.items()}
+              for arm, seeds in runs.items()}
+    per_tok = {arm: {s: area(token_curve(r), minutes=budget) for s, r in seeds.items()} for arm, seeds in runs.items()}
+    lines = [f"| arm | seeds | mean pass@1 per iteration | paired − {baseline} | mean pass@1 over sampled tokens "
+             f"(to {budget:.1f} M) | paired − {baseline} | M tokens / iteration | vines / iteration | free / state | "
+             "s / iteration |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm, seeds in runs.items():
+        if not seeds:
+            continue
+        cells = []
+        for table in (per_it, per_tok):
+            mine, base = table[arm], table[baseline]
+            paired = [v - base[s] for s, v in mine.items() if s in base]
+            cells += [pm(*mean_se(list(mine.values())), len(mine)), "–" if arm == baseline or not paired else
+                      f"{pm(*mean_se(paired), len(paired), signed=True)} ({len(paired)})"]
+        trained = [[r for r in records if r["iteration"] > 0] for records in seeds.values()]
+        cost = [mean_se([sum(f(r) for r in t) / len(t) for t in trained])[0] for f in (
+            lambda r: r.get("sampled_tokens", r["response_length"] * BATCH + r.get("vine_tokens", 0)) / 1e6,
+            lambda r: r.get("vines", 0), lambda r: r.get("free_per_state", 0), lambda r: r["seconds"])]
+        lines.append(f"| {arm} | {len(seeds)} | " + " | ".join(cells) +
+                     f" | {cost[0]:.3f} | {cost[1]:.0f} | {cost[2]:.2f} | {cost[3]:.1f} |")
+    return "\n".join(lines)
+
+
+def value_errors(model_dir: Path, *, prompts: int, truth: int, seed: int) -> str:
+    """Fig. 3 for free samples: groups of 8 responses to `prompts` train problems from the model (the testbed's
+    sampling settings); each response's state values from values.estimate_values with K = 9 fresh vines (off), free +
+    9 fresh (add) and free + top-up to 9 (topup), against the mean of `truth` fresh vines per distinct state. Mean
+    absolute error over (response, state) pairs (all, and states of intermediate truth), siblings (two states after
+    one parent) ordered like the truth where it differs by >= 0.05, and the fresh vines each variant sampled."""
+    import torch
+
+    from data import encode_prompt, load_split
+    from engine import HFSampler
+    from grader import grade
+    from model import load_model, load_tokenizer
+    from values import estimate_values, mc_rollouts, step_token_starts
+    tokenizer = load_tokenizer(str(model_dir))
+    model = load_model(str(model_dir), device=torch.device("cpu"), dtype=torch.float32, frozen=True)
+    sampler = HFSampler(model, tokenizer, dtype=torch.float32)
+    examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=4), prompts)
+    ids = [encode_prompt(e["question"], grader="chain", tokenizer=tokenizer, prompt_format="plain") for e in examples]
+    groups = sampler.sample(ids, n=8, temperature=0.6, top_p=0.9, max_new_tokens=64, seed=seed)
+    batch = dict(prompts=[p for p, g in zip(ids, groups) for _ in g], responses=[s.token_ids for g in groups for s in g],
+                 answers=[e["answer"] for e, g in zip(examples, groups) for _ in g], grader="chain", temperature=0.6,
+                 top_p=0.9, max_new_tokens=64)
+    samples = [s for g in groups for s in g]
+    batch["step_starts"] = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task="chain") for s in samples]
+    batch["rewards"] = [grade(s.text, a, grader="chain", truncated=not s.finished) for s, a in
+                        zip(samples, batch["answers"])]
+    keys = [[tuple(p + r[:t]) for t in st] for p, r, st in zip(batch["prompts"], batch["responses"],
+                                                                 batch["step_starts"])]
+    distinct = sorted({k for ks in keys for k in ks})
+    owner = {k: (i, j) for i, ks in enumerate(keys) for j, k in enumerate(ks)}
+    scores, _ = mc_rollouts(sampler=sampler, sequences=[list(batch["prompts"][owner[k][0]] + batch["responses"][
+        owner[k][0]]) for k in distinct], prefix_lens=[len(k) for k in distinct],
+        prompt_lens=[len(batch["prompts"][owner[k][0]]) for k in distinct],
+        answers=[batch["answers"][owner[k][0]] for k in distinct], grader="chain", K=truth, temperature=0.6,
+        top_p=0.9, max_new_tokens=64, seed=seed + 1)
+    true = {k: sum(sc) / len(sc) for k, sc in zip(distinct, scores)}
+    children = {}  # parent state -> the distinct next states after it, and a response holding each
+    for i, ks in enumerate(keys):
+        for a, b in zip(ks, ks[1:]):
+            children.setdefault(a, {}).setdefault(b, (i, ks.index(b)))
+    lines = [f"{prompts} prompts x 8 responses, {sum(map(len, keys))} (response, state) pairs, {len(distinct)} distinct "
+             f"states ({sum(0 < v < 1 for v in true.values())} of intermediate truth), truth from {truth} vines each.",
+             "", "| estimate | fresh vines | MAE, all | MAE, intermediate truth | siblings ordered right |",
+             "| --- | --- | --- | --- | --- |"]
+    for mode in ("off", "add", "topup"):
+        values, stats = estimate_values(sampler=sampler, K=9, seed=seed + 2, free_samples=mode, **batch)
+        errors = [(abs(values[i][j] - true[k]), 0 < true[k] < 1) for i, ks in enumerate(keys) for j, k in enumerate(ks)]
+        right = [(values[a[0]][a[1]] - values[b[0]][b[1]]) * (true[ka] - true[kb]) > 0
+                 for kids in children.values() for (ka, a), (kb, b) in zip(list(kids.items()), list(kids.items())[1:])
+                 if abs(true[ka] - true[kb]) >= 0.05]
+        middle = [e for e, mid in errors if mid]
+        lines.append(f"| {mode} | {stats['vines']} | {sum(e for e, _ in errors) / len(errors):.3f} | "
+                     f"{sum(middle) / max(len(middle), 1):.3f} | {sum(right)}/{len(right)} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    grid_arguments(parser, arm="arm", arms=ARMS, out=OUT)
+    parser.add_argument("--testbed", default=TESTBED, help="the testbed's folder: its SFT model, in sft/ "
+                        "(made there if missing)")
+    parser.add_argument("--values", action="store_true", help="run nothing else: Fig. 3 for the free-sample "
+                        "variants on the SFT model (--prompts groups of 8, --truth vines per state)")
+    parser.add_argument("--prompts", type=int, default=24, help="--values: train problems, 8 responses each")
+    parser.add_argument("--truth", type=int, default=256, help="--values: vines per state for the true value")
+    args, extra = parser.parse_known_args()  # anything else goes to train.py
+    arms, seeds = grid_choices(args, arm="arm", arms=ARMS)
+    out, started, ran = Path(args.out), time.time(), []
+    sft_dir = Path(args.testbed) / "sft"
+    if args.values:
+        text = value_errors(sft_stage(Path(args.testbed), settings=SFT_SETTINGS)[0], prompts=args.prompts,
+                            truth=args.truth, seed=seeds[0])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "values.md").write_text(text + "\n")
+        return print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.redraw:
+        sft_dir, _ = sft_stage(Path(args.testbed), settings=SFT_SETTINGS)
+        ran = run_cells([(a, s) for s in seeds for a in arms], out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs,
+                        machine=this_machine(), arms=ARMS)
+    text, mine = summary(out, seeds, started=None if args.redraw else started, extra=extra, arms=ARMS,
+                         baseline="vine", sft_dir=sft_dir, ran=ran)
+    text += (f"\nThree cost axes, paired with vine by seed (± SE over seeds):\n\n"
+             f"{cost_table(out, start=sft_digest(sft_dir))}\n")
+    (out / "results.md").write_text(text)
+    print(text + "\n" + mine)
+
+
+if __name__ == "__main__":
+    main()
