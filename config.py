@@ -44,6 +44,8 @@ class Config:
     time_budget: float = arg(0.0, "stop once this many seconds of training (evaluation excluded) have passed; 0: none")
     arith_ops: int = arg(1, "arith: operations per problem (1: the base model starts near 17%% pass@1; 2: near 2%%)")
     arith_max: int = arg(20, "arith: largest starting number / addend")
+    chain_filler: int = arg(0, "chain: filler lines '~x' (x a random tag the reward ignores) after the operation "
+                               "lines: a longer horizon at the same arithmetic (data.make_chain)")
     prompts_per_iter: int | None = arg(None, "problems per iteration (paper: 64; CPU default: 4)")
     samples_per_prompt: int | None = arg(None, "responses per problem (paper: 8; CPU default: 4)")
     max_new_tokens: int | None = arg(None, "response length limit (paper: 1024; CPU default: 192)")
@@ -213,6 +215,9 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--vllm-gpu-memory must be a fraction in (0, 1) (got {cfg.vllm_gpu_memory})")
     if cfg.vllm_max_batched_tokens < 1:
         parser.error(f"--vllm-max-batched-tokens must be at least 1 (got {cfg.vllm_max_batched_tokens})")
+    if cfg.chain_filler < 0 or cfg.chain_filler and cfg.dataset != "chain":
+        parser.error(f"--chain-filler takes 0 or more filler lines, with --dataset chain only (got {cfg.chain_filler} "
+                     f"with --dataset {cfg.dataset})")
     if not cfg.k_ci > 0:
         parser.error(f"--k-ci must be above 0 (got {cfg.k_ci})")
     if cfg.free_samples == "topup" and cfg.k_mode == "budget":
@@ -282,7 +287,8 @@ def unwritable(path: Path) -> str | None:
 
 # Flags that define a run: a resumed run must have the same. Every other flag may change on --resume (iterations,
 # cadences, time budget, learning rates, ...) and is then applied for real and logged.
-RUN_DEFINING = ("dataset", "grader", "estimator", "model", "prompt_format", "seed", "arith_ops", "arith_max", "k",
+RUN_DEFINING = ("dataset", "grader", "estimator", "model", "prompt_format", "seed", "arith_ops", "arith_max",
+                "chain_filler", "k",
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
                 "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
                 "k_max", "k_ci", "free_samples")

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import random
+from functools import partial
 from pathlib import Path
 
 from grader import extract_boxed, grader_of
@@ -166,7 +167,7 @@ def hub_split(dataset: str, split: str) -> list[dict]:
 
 
 def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_ops: int = 1,
-               arith_max: int = 20, arith_size: int = 5000) -> list[dict]:
+               arith_max: int = 20, arith_size: int = 5000, chain_filler: int = 0) -> list[dict]:
     """Examples ({"question", "answer", "solution"}) of one split. gsm8k, math: from `data_dir` (or
     $VINEPPO_DATA_DIR) if given, "hub" meaning the Hub, else the shipped copy. A folder of your own: its
     <split>.jsonl. arith, chain: generated (the test split is the first 500 problems of its own seed that are not in
@@ -176,13 +177,14 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
         raise SystemExit(f"error: --dataset {dataset}: {problem}" if problem else
                          f"error: unknown split {split} (choose from {SPLITS})")
     if dataset in ("arith", "chain"):
-        make = make_arith if dataset == "arith" else make_chain
+        make = make_arith if dataset == "arith" else partial(make_chain, filler=chain_filler)
         rows = train = make(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
         if split == "test":
             seen = {e["question"] for e in train}
             rows = [e for e in make(4 * 500, seed=1, ops=arith_ops, max_number=arith_max)
                     if e["question"] not in seen][:500]
-        return [{**e, "where": f"--dataset {dataset} --arith-ops {arith_ops}: {split} problem {i + 1}"}
+        fill = f" --chain-filler {chain_filler}" if chain_filler else ""
+        return [{**e, "where": f"--dataset {dataset} --arith-ops {arith_ops}{fill}: {split} problem {i + 1}"}
                 for i, e in enumerate(rows)]
     if task_of(dataset) == "custom":
         return read_jsonl(Path(dataset).expanduser() / f"{split}.jsonl", dataset="custom")
@@ -194,11 +196,11 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
     return read_jsonl(find_local_file(data_dir, dataset=dataset, split=split), dataset=dataset)
 
 
-def load_splits(dataset: str, *, data_dir: str | None, arith_ops: int, arith_max: int,
-                eval_size: int) -> tuple[list[dict], list[dict]]:
+def load_splits(dataset: str, *, data_dir: str | None, arith_ops: int, arith_max: int, eval_size: int,
+                chain_filler: int = 0) -> tuple[list[dict], list[dict]]:
     """(the train split, the first eval_size problems of the test split): what train.py and sft.py work on."""
-    train, test = (load_split(dataset, split, data_dir=data_dir, arith_ops=arith_ops, arith_max=arith_max)
-                   for split in ("train", "test"))
+    train, test = (load_split(dataset, split, data_dir=data_dir, arith_ops=arith_ops, arith_max=arith_max,
+                              chain_filler=chain_filler) for split in ("train", "test"))
     return train, test[:eval_size]
 
 
@@ -266,6 +268,7 @@ def encode_prompt(question: str, *, grader: str, tokenizer, prompt_format: str =
                      add_special_tokens=False).input_ids
 
 
+FILLER_TAGS = "abcd"  # chain --chain-filler: the free choice of a filler line
 NAMES = ("Tom", "Anna", "Ben", "Lily", "Sam", "Maya", "Omar", "Nina", "Leo", "Zoe", "Ravi", "Emma")
 ITEMS = ("apples", "marbles", "stickers", "coins", "books", "cookies", "pencils", "shells", "cards", "stamps")
 
@@ -306,14 +309,19 @@ def make_arith(count: int, *, seed: int, ops: int, max_number: int) -> list[dict
     return examples
 
 
-def make_chain(count: int, *, seed: int, ops: int, max_number: int) -> list[dict]:
+def make_chain(count: int, *, seed: int, ops: int, max_number: int, filler: int = 0) -> list[dict]:
     """make_arith's problems (the same numbers for the same seed) written compactly, for the from-scratch testbed:
     question "13 *3 -3 -30 -4" (the start, then each operation), solution one "a op b = c" line per operation without
-    spaces, then "####N": "13*3=39\n39-3=36\n36-30=6\n6-4=2\n####2"."""
-    examples = []
+    spaces, then "####N": "13*3=39\n39-3=36\n36-30=6\n6-4=2\n####2". filler: that many lines "~x" more, x a tag
+    drawn uniformly from FILLER_TAGS that the reward ignores, dealt round-robin into the gaps after the operation
+    lines (the first gap first): the horizon grows, the arithmetic does not (the credit issue's filler control)."""
+    examples, tags = [], random.Random(f"filler {seed}")
     for e in make_arith(count, seed=seed, ops=ops, max_number=max_number):
         steps = [line.split(" ") for line in e["solution"].split("\n")[:-1]]  # ["13", "*", "3", "=", "39"]
         question = " ".join([steps[0][0]] + [op + b for _, op, b, _, _ in steps])
-        solution = "\n".join(f"{a}{op}{b}={c}" for a, op, b, _, c in steps) + f"\n####{e['answer']}"
+        lines = [[f"{a}{op}{b}={c}"] for a, op, b, _, c in steps]
+        for i in range(filler):
+            lines[i % ops].append("~" + tags.choice(FILLER_TAGS))
+        solution = "\n".join(line for gap in lines for line in gap) + f"\n####{e['answer']}"
         examples.append({"question": question, "answer": e["answer"], "solution": solution})
     return examples

@@ -80,6 +80,7 @@ class SFTConfig:
     gen_batch_size: int = arg(256, "rows per generation batch in evaluation")
     arith_ops: int = arg(1, "arith: operations per problem")
     arith_max: int = arg(20, "arith: largest starting number / addend")
+    chain_filler: int = arg(0, "chain: filler lines after the operation lines (as train.py)")
     save_every: int = arg(100, "write a checkpoint every this many steps (and at the end, and on Ctrl-C)")
     resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
     overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run")
@@ -91,7 +92,7 @@ class SFTConfig:
 
 # A resumed run must have these as saved; the others (max-steps, lr, eval flags, ...) may change.
 SFT_DEFINING = ("dataset", "grader", "model", "prompt_format", "seed", "epochs", "batch_size", "max_length",
-                "arith_ops", "arith_max", "scratch_layers", "scratch_width", "scratch_heads")
+                "arith_ops", "arith_max", "chain_filler", "scratch_layers", "scratch_width", "scratch_heads")
 
 
 def defining_changes(saved: dict, cfg: SFTConfig) -> list[str]:
@@ -121,6 +122,9 @@ def parse_sft_config(argv=None) -> SFTConfig:
                  "scratch_width", "scratch_heads"):
         if getattr(cfg, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    if cfg.chain_filler < 0 or cfg.chain_filler and cfg.dataset != "chain":
+        parser.error(f"--chain-filler takes 0 or more filler lines, with --dataset chain only (got {cfg.chain_filler} "
+                     f"with --dataset {cfg.dataset})")
     if cfg.max_steps < 0:
         parser.error(f"--max-steps must be 0 (epochs) or above (got {cfg.max_steps})")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # ranks under torchrun; --batch-size is global
@@ -279,7 +283,8 @@ def main(cfg: SFTConfig):
         (out_dir / "config.json").unlink(missing_ok=True)
     dtype = pick_dtype(cfg.dtype, device)
     train_set, test_set = load_splits(cfg.dataset, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
-                                      arith_max=cfg.arith_max, eval_size=cfg.eval_size)
+                                      arith_max=cfg.arith_max, eval_size=cfg.eval_size,
+                                      chain_filler=cfg.chain_filler)
     model = cfg.model
     if model == "scratch":  # a new random-initialised model and character tokenizer, saved as an HF folder
         model = str(out_dir / "init")

@@ -38,7 +38,8 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)  # the same on every rank: all draw the same prompts, each keeps its share
     train_set, test_set = load_splits(cfg.dataset, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
-                                      arith_max=cfg.arith_max, eval_size=cfg.eval_size)
+                                      arith_max=cfg.arith_max, eval_size=cfg.eval_size,
+                                      chain_filler=cfg.chain_filler)
     tokenizer = load_tokenizer(cfg.model)
     if problem := input_problem(tokenizer, examples=train_set + test_set, prompt_format=cfg.prompt_format,
                                 grader=cfg.grader, max_new_tokens=cfg.max_new_tokens,

@@ -13,6 +13,7 @@ vine_frac=<vine tok/s / limit> (with --json PATH, every figure).
 """
 import argparse
 import cProfile
+import hashlib
 import io
 import json
 import pstats
@@ -30,7 +31,8 @@ from values import estimate_values, step_token_starts
 
 
 def one_iteration(sampler, tokenizer, *, prompts: int, seed: int, free_samples: str = "off") -> dict:
-    """Seconds and tokens of one testbed iteration's rollouts and vines (fixed K = 9), as train.py samples them."""
+    """Seconds and tokens of one testbed iteration's rollouts and vines (fixed K = 9), as train.py samples them, and
+    a digest of the rollouts' tokens and the values (the same digest: the same samples, bit for bit)."""
     examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=4), prompts)
     ids = [encode_prompt(e["question"], grader="chain", tokenizer=tokenizer, prompt_format="plain") for e in examples]
     t0 = time.perf_counter()
@@ -39,7 +41,7 @@ def one_iteration(sampler, tokenizer, *, prompts: int, seed: int, free_samples: 
     samples = [s for g in groups for s in g]
     answers = [e["answer"] for e, g in zip(examples, groups) for _ in g]
     t0 = time.perf_counter()
-    _, stats = estimate_values(
+    values, stats = estimate_values(
         sampler=sampler, prompts=[p for p, g in zip(ids, groups) for _ in g], responses=[s.token_ids for s in samples],
         step_starts=[step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task="chain") for s in samples],
         rewards=[grade(s.text, a, grader="chain", truncated=not s.finished) for s, a in zip(samples, answers)],
@@ -49,7 +51,8 @@ def one_iteration(sampler, tokenizer, *, prompts: int, seed: int, free_samples: 
     rollout_tokens = sum(len(s.token_ids) for s in samples)
     return {"rollout_s": rollout_s, "rollout_tokens": rollout_tokens, "rollout_tok_s": rollout_tokens / rollout_s,
             "vine_s": vine_s, "vine_tokens": stats["vine_tokens"], "vines": stats["vines"],
-            "states": stats["value_states"], "vine_tok_s": stats["vine_tokens"] / vine_s}
+            "states": stats["value_states"], "vine_tok_s": stats["vine_tokens"] / vine_s,
+            "samples_sha256": hashlib.sha256(repr(([s.token_ids for s in samples], values)).encode()).hexdigest()}
 
 
 def main():

@@ -149,22 +149,23 @@ def prefix_layout(*, slots: list[int], lens: list[int], cache: dict, heads_per_k
     """How decoding rows read their prefixes from the prefill cache. Row r continues sequence slots[r] after its
     first lens[r] tokens. Rows of the same sequence are stacked, so that sequence's keys and values are read once per
     step for all of them (K vines of a state, and the states of one response, share one cache)."""
-    s0, s1, B = min(slots), max(slots) + 1, len(slots)
-    members = [[] for _ in range(s1 - s0)]
-    for r, s in enumerate(slots):
-        members[s - s0].append(r)
-    R, W = max(map(len, members)), cache["width"]
-    c0 = min(W - cache["lens"][s] for s in range(s0, s1))  # no sequence of this batch starts left of c0
+    s0, s1, B, W = min(slots), max(slots) + 1, len(slots), cache["width"]
+    seq = torch.tensor(slots) - s0  # (B,) each row's sequence in this batch
+    counts = torch.bincount(seq, minlength=s1 - s0)  # (S,) rows per sequence
+    R = int(counts.max())
+    order = torch.argsort(seq, stable=True)  # rows grouped by sequence, in row order within each
+    j = torch.empty(B, dtype=torch.long)  # (B,) each row's place among its sequence's rows
+    j[order] = torch.arange(B) - (counts.cumsum(0) - counts)[seq[order]]
     gather = torch.full((s1 - s0, R), B)  # (S, R) row of each (sequence, place); B: a dummy all-zero query
-    row_place = torch.empty(B, dtype=torch.long)  # (B,) each row's place in the flattened (S * R) stack
+    gather[seq, j] = torch.arange(B)
+    row_place = seq * R + j  # (B,) each row's place in the flattened (S * R) stack
+    starts = W - torch.tensor(cache["lens"][s0:s1])  # (S,) where each sequence starts in the cache
+    c0 = int(starts.min())  # no sequence of this batch starts left of c0
+    first = (starts - c0)[seq][:, None]  # (B, 1) where each row's sequence starts in the sliced cache
+    columns = torch.arange(W - c0)  # (Wp,)
     allowed = torch.zeros(s1 - s0, R, W - c0, dtype=torch.bool)  # (S, R, Wp)
     allowed[:, :, -1] = True  # dummy places attend somewhere, so their softmax stays finite (and is discarded)
-    for p, rows in enumerate(members):
-        first = W - cache["lens"][s0 + p] - c0  # where the sequence starts in the sliced cache
-        for j, r in enumerate(rows):
-            gather[p, j], row_place[r] = r, p * R + j
-            allowed[p, j] = False
-            allowed[p, j, first:first + lens[r]] = True
+    allowed[seq, j] = (columns >= first) & (columns < first + torch.tensor(lens)[:, None])  # each row its prefix
     bias = torch.zeros(allowed.shape, dtype=cache["keys"].dtype).masked_fill_(~allowed, float("-inf"))  # (S, R, Wp)
     num_kv = cache["keys"].shape[2]
     bias = bias[:, None, :, None, :].expand(-1, num_kv, -1, heads_per_kv, -1)  # (S, Hkv, R, G, Wp)

@@ -35,6 +35,10 @@ def one_error_line(argv, capsys) -> str:
      "--estimator rloo compares each response with the others of its problem: it needs --samples-per-prompt 2 or more "
      "(got 1)"),
     (["--dataset", "svamp"], "--dataset svamp: not gsm8k, math, arith, chain, nor a folder holding train.jsonl and test.jsonl"),
+    (["--chain-filler", "4"], "--chain-filler takes 0 or more filler lines, with --dataset chain only (got 4 with "
+                              "--dataset gsm8k)"),
+    (["--dataset", "chain", "--chain-filler", "-1"], "--chain-filler takes 0 or more filler lines, with --dataset "
+                                                     "chain only (got -1 with --dataset chain)"),
     (["--free-samples", "topup", "--k-mode", "budget"], "--free-samples topup counts free samples state by state: it "
                                                           "takes --k-mode fixed, adaptive or official, not budget"),
 ])

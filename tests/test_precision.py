@@ -164,6 +164,43 @@ def response_batch(prompts, groups, tokenizer):
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}, P, samples
 
 
+def loop_prefix_layout(*, slots, lens, cache, heads_per_kv):
+    """prefix_layout as it was written before it was vectorised (a row at a time): the reference it must equal."""
+    s0, s1, B = min(slots), max(slots) + 1, len(slots)
+    members = [[] for _ in range(s1 - s0)]
+    for r, s in enumerate(slots):
+        members[s - s0].append(r)
+    R, W = max(map(len, members)), cache["width"]
+    c0 = min(W - cache["lens"][s] for s in range(s0, s1))
+    gather, row_place = torch.full((s1 - s0, R), B), torch.empty(B, dtype=torch.long)
+    allowed = torch.zeros(s1 - s0, R, W - c0, dtype=torch.bool)
+    allowed[:, :, -1] = True
+    for p, rows in enumerate(members):
+        first = W - cache["lens"][s0 + p] - c0
+        for j, r in enumerate(rows):
+            gather[p, j], row_place[r] = r, p * R + j
+            allowed[p, j] = False
+            allowed[p, j, first:first + lens[r]] = True
+    return {"c0": c0, "gather": gather, "row_place": row_place, "allowed": allowed}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_layout_equals_the_row_by_row_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    places, W = 7, 40
+    cache = {"keys": torch.zeros(2, places, 2, 4, W), "width": W,
+             "lens": [int(x) for x in torch.randint(0, W + 1, (places,), generator=g)]}
+    slots = [int(x) for x in torch.randint(1, places, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g)]
+    slots = [s for s in slots if cache["lens"][s] > 0] or [max(range(places), key=cache["lens"].__getitem__)]
+    lens = [int(torch.randint(1, cache["lens"][s] + 1, (1,), generator=g)) for s in slots]
+    layout = prefix_layout(slots=slots, lens=lens, cache=cache, heads_per_kv=3)
+    ref = loop_prefix_layout(slots=slots, lens=lens, cache=cache, heads_per_kv=3)
+    S, R = ref["gather"].shape
+    assert layout["c0"] == ref["c0"] and torch.equal(layout["gather"], ref["gather"])
+    assert torch.equal(layout["row_place"], ref["row_place"])
+    assert torch.equal(layout["bias"].view(S, 2, R, 3, -1)[:, 0, :, 0] == 0, ref["allowed"])
+
+
 @pytest.mark.parametrize("kind", ["hf", "generate"])
 def test_sampler_logprobs_are_the_trainers_in_fp32(smol, prompts, kind):
     """Each sampled token's log-prob as the sampler reports it equals the trainer's under the same distribution (the

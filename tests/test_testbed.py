@@ -30,6 +30,32 @@ def test_chain_is_arith_written_compactly():
                                                               "solution": "3-2=1\n1+17=18\n18*2=36\n36+11=47\n####47"}
 
 
+def test_chain_filler_lines_grow_the_horizon_not_the_arithmetic():
+    """--chain-filler F: F lines "~x" (x a uniform tag) dealt round-robin after the operation lines; the same
+    problems and answers, graded the same; every line a step; F = 0 is the plain chain."""
+    from data import FILLER_TAGS
+    plain = make_chain(200, seed=3, ops=4, max_number=20)
+    assert make_chain(200, seed=3, ops=4, max_number=20, filler=0) == plain
+    for filler in (1, 4, 8):
+        filled = make_chain(200, seed=3, ops=4, max_number=20, filler=filler)
+        tags = []
+        for p, f in zip(plain, filled):
+            lines = f["solution"].split("\n")
+            fill = [line for line in lines if line.startswith("~")]
+            assert (f["question"], f["answer"]) == (p["question"], p["answer"]) and len(fill) == filler
+            assert [line for line in lines if not line.startswith("~")] == p["solution"].split("\n")
+            assert lines[1].startswith("~") and all(len(line) == 2 and line[1] in FILLER_TAGS for line in fill)
+            assert grade(f["solution"], f["answer"], grader="chain") == 1.0
+            assert len(split_steps(f["solution"], task="chain")) == 4 + filler  # a step per line; "####" joins
+            tags += [line[1] for line in fill]
+        assert set(tags) == set(FILLER_TAGS)  # the free choice varies
+    for filler, kinds in ((8, "o~~o~~o~~o~~#"), (5, "o~~o~o~o~#")):  # round-robin over the gaps, the first first
+        lines = make_chain(1, seed=0, ops=4, max_number=20, filler=filler)[0]["solution"].split("\n")
+        assert "".join("~" if x.startswith("~") else "#" if x.startswith("#") else "o" for x in lines) == kinds
+    train = load_split("chain", "train", arith_ops=4, chain_filler=2)
+    assert train[0]["where"] == "--dataset chain --arith-ops 4 --chain-filler 2: train problem 1"
+
+
 def test_chain_splits_are_disjoint_and_the_prompt_is_plain():
     train, test = load_split("chain", "train", arith_ops=4), load_split("chain", "test", arith_ops=4)
     assert len(test) == 500 and not {e["question"] for e in test} & {e["question"] for e in train}
