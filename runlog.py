@@ -99,7 +99,8 @@ def progress_line(*, done: int, total: int, first: int, elapsed: float, budget_l
     eta = per_it * (total - done)
     if budget_left is not None:
         eta = min(eta, max(0.0, budget_left))
-    return f"{done}/{total} ({100 * done / total:.1f}%) elapsed {duration(elapsed)}, {rate(per_it)}, ETA {duration(eta)}"
+    return (f"{done}/{total} ({100 * done / total:.1f}%) elapsed {duration(elapsed)}, {rate(per_it)}, "
+            f"ETA {duration(eta)}")
 
 
 def rate(per_it: float) -> str:
@@ -285,4 +286,5 @@ def iteration_record(done: int, *, episodes, rewards: list[float], advantages: l
             "finished_frac": dist.mean([float(s.finished) for s in episodes.samples]),
             "advantage_mean": raw.mean().item(), "advantage_std": raw.std().item() if len(raw) > 1 else 0.0,
             "advantage_abs_mean": raw.abs().mean().item(), "lr": lr, **stats,
-            "sampled_tokens": generated, "tokens_per_s": generated / (meter.seconds["rollout"] + meter.seconds["values"])}
+            "sampled_tokens": generated,
+            "tokens_per_s": generated / (meter.seconds["rollout"] + meter.seconds["values"])}

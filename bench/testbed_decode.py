@@ -70,7 +70,8 @@ def main():
     sampler = HFSampler(model, tokenizer, dtype=torch.float32, batch_size=args.batch)
     one_iteration(sampler, tokenizer, prompts=8, seed=args.seed + 100)  # warm up
     step_s, gflop = decode_step_matmul_seconds(model, args.batch)
-    report = {"model": args.model, "threads": 1, "batch": args.batch, "params": sum(p.numel() for p in model.parameters()),
+    report = {"model": args.model, "threads": 1, "batch": args.batch,
+              "params": sum(p.numel() for p in model.parameters()),
               "matmul_gflops_1024": matmul_gflops(1024, 1024, 1024), "step_matmul_s": step_s,
               "gflop_per_token": gflop / args.batch, "limit_tok_s": args.batch / step_s,
               **one_iteration(sampler, tokenizer, prompts=args.prompts, seed=args.seed)}

@@ -41,7 +41,8 @@ def budget_table(out: Path, *, start: str | None) -> str:
     lines = ["| rule | states / response | distinct states | vines | vine tokens | s values | s / iteration |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for rule in RULES:
-        runs = [read_metrics(p / "metrics.jsonl") for p in sorted(out.glob(f"{rule}-s*")) if run_state(p, start=start) == "done"]
+        runs = [read_metrics(p / "metrics.jsonl") for p in sorted(out.glob(f"{rule}-s*"))
+                if run_state(p, start=start) == "done"]
         if not runs:
             continue
         trained = [[r for r in records if r["iteration"] > 0] for records in runs]
@@ -129,7 +130,8 @@ def main():
     text, mine = summary(out, seeds, started=None if args.redraw else started, extra=extra, arms=RULES,
                          baseline="lines", sft_dir=sft_dir, ran=ran)
     start = sft_digest(sft_dir)
-    text += (f"\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n{budget_table(out, start=start)}\n")
+    text += ("\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n"
+             f"{budget_table(out, start=start)}\n")
     (out / "results.md").write_text(text)
     print(text + "\n" + mine)
 

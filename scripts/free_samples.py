@@ -98,7 +98,8 @@ def value_errors(model_dir: Path, *, prompts: int, truth: int, seed: int) -> str
     examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=4), prompts)
     ids = [encode_prompt(e["question"], grader="chain", tokenizer=tokenizer, prompt_format="plain") for e in examples]
     groups = sampler.sample(ids, n=8, temperature=0.6, top_p=0.9, max_new_tokens=64, seed=seed)
-    batch = dict(prompts=[p for p, g in zip(ids, groups) for _ in g], responses=[s.token_ids for g in groups for s in g],
+    batch = dict(prompts=[p for p, g in zip(ids, groups) for _ in g],
+                 responses=[s.token_ids for g in groups for s in g],
                  answers=[e["answer"] for e, g in zip(examples, groups) for _ in g], grader="chain", temperature=0.6,
                  top_p=0.9, max_new_tokens=64)
     samples = [s for g in groups for s in g]
@@ -119,8 +120,9 @@ def value_errors(model_dir: Path, *, prompts: int, truth: int, seed: int) -> str
     for i, ks in enumerate(keys):
         for a, b in zip(ks, ks[1:]):
             children.setdefault(a, {}).setdefault(b, (i, ks.index(b)))
-    lines = [f"{prompts} prompts x 8 responses, {sum(map(len, keys))} (response, state) pairs, {len(distinct)} distinct "
-             f"states ({sum(0 < v < 1 for v in true.values())} of intermediate truth), truth from {truth} vines each.",
+    lines = [f"{prompts} prompts x 8 responses, {sum(map(len, keys))} (response, state) pairs, {len(distinct)} "
+             f"distinct states ({sum(0 < v < 1 for v in true.values())} of intermediate truth), truth from {truth} "
+             "vines each.",
              "", "| estimate | fresh vines | MAE, all | MAE, intermediate truth | siblings ordered right |",
              "| --- | --- | --- | --- | --- |"]
     for mode in ("off", "add", "topup"):

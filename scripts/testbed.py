@@ -4,7 +4,7 @@ the paper's batch size, through the same train.py as the real runs.
     python -m scripts.testbed                        SFT, then one seed of vine, vine-adaptive, critic, grpo, rloo
     python -m scripts.testbed --seeds 0,1,2,3,4      the grid (restartable: finished runs are skipped)
     python -m scripts.testbed --redraw               only the summary and the pictures from the finished runs
-    python -m scripts.testbed --out results/testbed  the committed reference grid (default: runs/testbed, ignored by git)
+    python -m scripts.testbed --out results/testbed  the committed reference grid (default runs/testbed: outside git)
 
 1. SFT (sft.py SFT_SETTINGS, once, into OUT/sft): a 1M-parameter Llama with a character tokenizer, from random
    weights, on `chain` (arith's problems written compactly: "13 *3 -3 -30 -4" -> "13*3=39\\n...\\n####2"), stopped
@@ -153,7 +153,8 @@ def summary(out: Path, seeds: list[int], *, started: float, extra: list[str], ar
             f"Machines: {'; '.join(sorted(machines))}.\n"
             + (f"Left out, made from another SFT model: {', '.join(other)}.\n" if other else "")
             + (f"This invocation: {(time.time() - started) / 60:.0f} min.\n\n" if started else "\n") +
-            f"{summary_markdown(grid, threshold=THRESHOLD, baseline=baseline)}\n\nPass@1 against iterations (± SE over "
+            f"{summary_markdown(grid, threshold=THRESHOLD, baseline=baseline)}\n\n"
+            "Pass@1 against iterations (± SE over "
             f"seeds):\n\n{iteration_table(out, arms=arms, baseline=baseline, start=digest)}\n\n"
             f"{signal_table(runs)}\n\nPer run:\n\n{table(rows)}\n")
     (out / "results.md").write_text(text)
@@ -180,7 +181,8 @@ def iteration_table(out: Path, *, arms: dict[str, list[str]], baseline: str, sta
             continue
         m, se = mean_se(list(by_seed.values()))
         paired = [v - curves[baseline][seed] for seed, v in by_seed.items() if seed in curves.get(baseline, {})]
-        diff = "–" if arm == baseline or not paired else f"{pm(*mean_se(paired), len(paired), signed=True)} ({len(paired)})"
+        diff = "–" if arm == baseline or not paired else \
+            f"{pm(*mean_se(paired), len(paired), signed=True)} ({len(paired)})"
         lines.append(f"| {arm} | {len(by_seed)} | {pm(m, se, len(by_seed))} | {diff} |")
     return "\n".join(lines)
 
@@ -190,7 +192,8 @@ def invocation_table(rows: list[dict], *, out: Path, digest: str | None, start: 
     evaluation: one seed has no spread over seeds), minutes and seconds an iteration; where the curves are; and the
     reference grid (REFERENCE, committed) beside it, saying whether it started from the same SFT model."""
     lines = ["This invocation's runs (± the SE of one evaluation of 500 problems):", "",
-             "| run | pass@1 start | end | end − start | minutes | s / iteration |", "| --- | --- | --- | --- | --- | --- |"]
+             "| run | pass@1 start | end | end − start | minutes | s / iteration |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         se = "–" if r["eval_se"] is None else f"{r['eval_se']:.3f}"
         lines.append(f"| {r['estimator']}-s{r['seed']} | {r['start_pass1']:.3f} | {r['final_pass1']:.3f} | "
