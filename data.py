@@ -171,18 +171,22 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
     """Examples ({"question", "answer", "solution"}) of one split. gsm8k, math: from `data_dir` (or
     $VINEPPO_DATA_DIR) if given, "hub" meaning the Hub, else the shipped copy. A folder of your own: its
     <split>.jsonl. arith, chain: generated (the test split is the first 500 problems of its own seed that are not in
-    train)."""
+    train; the validation split, the first 500 of a third seed in neither)."""
     problem = dataset_problem(dataset)
-    if problem or split not in SPLITS:
+    if problem or split not in SPLITS and not (split == "validation" and dataset in ("arith", "chain")):
         raise SystemExit(f"error: --dataset {dataset}: {problem}" if problem else
-                         f"error: unknown split {split} (choose from {SPLITS})")
+                         f"error: unknown split {split} of {dataset} (choose from {SPLITS}; validation: arith and "
+                         f"chain only)")
     if dataset in ("arith", "chain"):
         make = make_arith if dataset == "arith" else partial(make_chain, filler=chain_filler)
         rows = train = make(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
-        if split == "test":
+        if split in ("test", "validation"):  # validation: sft.py's --stop-at, never the test problems
             seen = {e["question"] for e in train}
-            rows = [e for e in make(4 * 500, seed=1, ops=arith_ops, max_number=arith_max)
+            test = [e for e in make(4 * 500, seed=1, ops=arith_ops, max_number=arith_max)
                     if e["question"] not in seen][:500]
+            seen |= {e["question"] for e in test}
+            rows = test if split == "test" else [e for e in make(4 * 500, seed=2, ops=arith_ops, max_number=arith_max)
+                                                 if e["question"] not in seen][:500]
         fill = f" --chain-filler {chain_filler}" if chain_filler else ""
         return [{**e, "where": f"--dataset {dataset} --arith-ops {arith_ops}{fill}: {split} problem {i + 1}"}
                 for i, e in enumerate(rows)]

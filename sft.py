@@ -11,10 +11,14 @@ then linear decay (ppo.make_optimizer); pass@1 on the test split before and afte
     OUT/metrics.jsonl                                     one line per optimizer step ("iteration": the step)
     OUT/ckpt-NNNNNN/, OUT/latest                          the last checkpoint, for --resume (checkpoint.py)
 
+--stop-at P ends the run at the first check (every --stop-every steps) where greedy pass@1 on the validation split
+reaches P: a start at a chosen pass@1 for tasks of different difficulty (the credit issue's lengths).
+
 Under torchrun (`torchrun --nproc_per_node=N sft.py ...`, dist.py) each rank takes batch_size / N instances of every
 step, DDP or --fsdp (FSDP2), and rank 0 writes the files; the step is the one a single process takes.
 Shapes: B = instances in a micro-batch, P = prompt length (left-padded), R = target length (right-padded), T = P + R.
 """
+import dataclasses
 import os
 import random
 import re
@@ -82,6 +86,10 @@ class SFTConfig:
     arith_max: int = arg(20, "arith: largest starting number / addend")
     chain_filler: int = arg(0, "chain: filler lines after the operation lines (as train.py)")
     save_every: int = arg(100, "write a checkpoint every this many steps (and at the end, and on Ctrl-C)")
+    stop_at: float = arg(0.0, "stop once greedy pass@1 on the validation split (arith, chain: problems in neither "
+                              "train nor test) reaches this; 0: off (a start at a chosen pass@1, whatever the task)")
+    stop_every: int = arg(25, "--stop-at: check every this many steps")
+    stop_size: int = arg(200, "--stop-at: validation problems checked")
     resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
     overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run")
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
@@ -118,13 +126,17 @@ def parse_sft_config(argv=None) -> SFTConfig:
     stem = Path(cfg.dataset).expanduser().resolve().name if cfg.task == "custom" else cfg.dataset
     cfg.out_dir = cfg.out_dir or f"runs/sft-{stem}-s{cfg.seed}"
     for name in ("epochs", "batch_size", "micro_batch_size", "max_length", "eval_size", "eval_samples",
-                 "max_new_tokens", "gen_batch_size", "arith_ops", "arith_max", "save_every", "scratch_layers",
+                 "max_new_tokens", "gen_batch_size", "arith_ops", "arith_max", "save_every", "stop_every", "stop_size",
+                 "scratch_layers",
                  "scratch_width", "scratch_heads"):
         if getattr(cfg, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
     if cfg.chain_filler < 0 or cfg.chain_filler and cfg.dataset != "chain":
         parser.error(f"--chain-filler takes 0 or more filler lines, with --dataset chain only (got {cfg.chain_filler} "
                      f"with --dataset {cfg.dataset})")
+    if not 0 <= cfg.stop_at <= 1 or cfg.stop_at and cfg.dataset not in ("arith", "chain"):
+        parser.error(f"--stop-at takes a pass@1 in [0, 1], with --dataset arith or chain only (got {cfg.stop_at} with "
+                     f"--dataset {cfg.dataset})")
     if cfg.max_steps < 0:
         parser.error(f"--max-steps must be 0 (epochs) or above (got {cfg.max_steps})")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # ranks under torchrun; --batch-size is global
@@ -252,6 +264,19 @@ def wrong_line_counts(graded: list[tuple[dict, object, float]]) -> dict[str, int
     return dict(sorted(counts.items(), key=lambda kv: (kv[0] == "after", int(kv[0]) if kv[0].isdigit() else 0)))
 
 
+def validation_reached(sampler, policy, tokenizer, validation: list[dict], cfg: SFTConfig, *, completed: int,
+                       record: dict) -> bool:
+    """--stop-at: every --stop-every steps, greedy pass@1 on the validation problems (never the test ones) goes into
+    `record`; True once it reaches --stop-at."""
+    if not cfg.stop_at or completed % cfg.stop_every:
+        return False
+    sampler.sync(policy)
+    greedy = dataclasses.replace(cfg, eval_temperature=0.0, eval_samples=1)
+    record["validation_accuracy"], record["validation_se"] = evaluate(sampler, tokenizer, validation, greedy,
+                                                                      seed=cfg.seed)
+    return record["validation_accuracy"] >= cfg.stop_at
+
+
 def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
     """The fine-tuned model as an HF folder in out_dir: written into a temp folder, then each file moved in, the
     config.json (what makes it a model folder) last. Under torchrun all ranks call it (FSDP2 shards are gathered) and
@@ -293,6 +318,8 @@ def main(cfg: SFTConfig):
             new_scratch_model(Path(model), chars=chars, layers=cfg.scratch_layers, width=cfg.scratch_width,
                               heads=cfg.scratch_heads, seed=cfg.seed)
         dist.barrier()
+    validation = load_split(cfg.dataset, "validation", arith_ops=cfg.arith_ops, arith_max=cfg.arith_max,
+                            chain_filler=cfg.chain_filler)[:cfg.stop_size] if cfg.stop_at else []
     tokenizer = load_tokenizer(model)
     if problem := input_problem(tokenizer, examples=train_set + test_set, prompt_format=cfg.prompt_format,
                                 grader=cfg.grader, max_new_tokens=cfg.max_new_tokens,
@@ -348,6 +375,8 @@ def main(cfg: SFTConfig):
             record = {"iteration": completed, "epoch": step / per_epoch, "lr": lr, **stats, "seconds": seconds,
                       "tokens_per_s": stats["tokens_all"] / seconds, "target_tokens_per_s": stats["tokens"] / seconds,
                       "train_seconds": train_seconds}
+            if validation_reached(sampler, policy, tokenizer, validation, cfg, completed=completed, record=record):
+                total = record["stopped_at_target"] = completed  # the last step: its test evaluation and save follow
             if completed == total:
                 sampler.sync(policy)
                 t1 = time.perf_counter()
@@ -372,6 +401,8 @@ def main(cfg: SFTConfig):
                                    f"tok/s){evaluated}")
             if stopping:
                 sys.exit(stop.exit_code())
+            if completed == total:  # --stop-at may end the run before the schedule does
+                break
     except KeyboardInterrupt:  # a second signal during a step saves nothing (its weights are half-updated)
         stop_after_interrupt(stop, completed=saver.completed, unit="step", save=saver.save)
     finally:

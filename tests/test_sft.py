@@ -127,3 +127,42 @@ def test_smoke_sft_then_train(tmp_path, smol_path):
                            timeout=600)
     assert train.returncode == 0, train.stdout + train.stderr
     assert "iteration 1/1" in train.stdout
+
+
+def test_the_validation_split_is_in_neither_train_nor_test():
+    from data import load_split
+    for dataset in ("arith", "chain"):
+        train, test, validation = (load_split(dataset, split, arith_ops=4) for split in ("train", "test", "validation"))
+        questions = {e["question"] for e in validation}
+        assert len(validation) == 500 and not questions & {e["question"] for e in train + test}
+    with pytest.raises(SystemExit, match="unknown split validation of gsm8k"):
+        load_split("gsm8k", "validation")
+
+
+def test_stop_at_a_validation_pass1_ends_the_run_there(tmp_path, monkeypatch, capsys):
+    """--stop-at: greedy pass@1 on validation problems every --stop-every steps; the run ends (test evaluation, final
+    model) at the first check that reaches it. Its evaluations are stubbed (a scripted validation pass@1), the rest
+    (a tiny scratch model's SFT steps, checkpoints, the saved folder) is real."""
+    import sft
+    seen = []
+
+    def scripted(sampler, tokenizer, examples, cfg, *, seed, keep=None):
+        if cfg.eval_temperature == 0 and cfg.eval_samples == 1 and examples[0]["where"].endswith("validation problem 1"):
+            seen.append(len(examples))
+            return 0.2 * len(seen), 0.02  # 0.2 at step 4, 0.4 at step 8, ...
+        return 0.5, 0.02
+    monkeypatch.setattr(sft, "evaluate", scripted)
+    cfg = parse_sft_config(["--device", "cpu", "--dataset", "chain", "--arith-ops", "2", "--prompt-format", "plain",
+                            "--model", "scratch", "--scratch-layers", "1", "--scratch-width", "16", "--scratch-heads",
+                            "2", "--max-steps", "20", "--batch-size", "4", "--micro-batch-size", "4", "--lr", "1e-3",
+                            "--stop-at", "0.35", "--stop-every", "4", "--stop-size", "7", "--eval-size", "3",
+                            "--max-new-tokens", "16", "--threads", "1", "--out-dir", str(tmp_path / "sft")])
+    sft.main(cfg)
+    records = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert seen == [7, 7] and [r["iteration"] for r in records] == list(range(9))  # stopped at step 8, not 20
+    assert [r.get("validation_accuracy") for r in records if "validation_accuracy" in r] == [0.2, 0.4]
+    assert records[-1]["stopped_at_target"] == 8 and records[-1]["eval_accuracy"] == 0.5
+    assert (tmp_path / "sft" / "config.json").exists()
+    with pytest.raises(SystemExit):
+        parse_sft_config(["--device", "cpu", "--dataset", "gsm8k", "--stop-at", "0.5"])
+    assert "--stop-at takes a pass@1 in [0, 1], with --dataset arith or chain only" in capsys.readouterr().err
