@@ -95,9 +95,10 @@ def weights_sha256(folder: Path) -> str | None:
 def record_start(out_dir: Path, *, model: str, folder: str, resumed: bool):
     """OUT/start.json: --model, the folder it resolved to and the sha256 of its weights (the policy's start and the
     frozen reference: both load --model), so that a grid can tell which start a run came from. On --resume the
-    weights must be those the run started from (a one-line error otherwise). Rank 0 writes."""
+    weights must be those the run started from (a one-line error otherwise). Rank 0 reads the weights and writes;
+    every rank gets its digest."""
     path = out_dir / "start.json"
-    digest = weights_sha256(Path(folder))
+    digest = dist.broadcast(weights_sha256(Path(folder)) if dist.rank() == 0 else None)
     start = {"model": model, "folder": folder, "model_sha256": digest, "reference_sha256": digest}
     if resumed and path.exists():
         saved = json.loads(path.read_text())

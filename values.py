@@ -305,12 +305,12 @@ def split_states(costs: list[float], *, parts: int) -> list[list[int]]:
     return [sorted(part) for part in out]
 
 
-def responses_through(keys: list[tuple], *, sequences: list[tuple], groups: dict[tuple, list[int]],
-                      prompt_of: list[tuple]) -> list[list[int]]:
-    """For each state (keys[i]: its tokens, prompt + prefix; prompt_of[i]: its prompt), the responses that pass
-    through it: those of its prompt (groups: prompt -> response indices) whose prompt + response tokens (sequences)
-    begin with the state's tokens. From the state on, each of them is a sample of the policy, as a vine is."""
-    return [[j for j in groups[prompt] if sequences[j][:len(key)] == key] for key, prompt in zip(keys, prompt_of)]
+def responses_through(key: tuple, *, prompt: tuple, sequences: list[tuple],
+                      groups: dict[tuple, list[int]]) -> list[int]:
+    """The responses that pass through a state (key: its tokens, prompt + prefix): those of its prompt (groups:
+    prompt -> response indices) whose prompt + response tokens (sequences) begin with the state's tokens. From the
+    state on, each of them is a sample of the policy, as a vine is."""
+    return [j for j in groups[prompt] if sequences[j][:len(key)] == key]
 
 
 def free_value(*, fresh_sum: float, fresh_count: int, through: list[int], rewards: list[float], own: int) -> float:
@@ -349,8 +349,7 @@ def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[i
         state_of.append([tuple(prompt + response[:s]) for s in starts[:cap]])
         for key, s in zip(state_of[-1], starts):  # any response holding a state will do to continue it
             if free_samples != "off" and key not in through:
-                through[key] = responses_through([key], sequences=sequences, groups=groups,
-                                                 prompt_of=[tuple(prompt)])[0]
+                through[key] = responses_through(key, prompt=tuple(prompt), sequences=sequences, groups=groups)
             prior = [rewards[j] for j in through[key][1:]] if free_samples == "topup" else []
             requests.setdefault(key, (prompt + response, len(key), len(prompt), answers[i],
                                       max(K - len(prior), 0) * (len(response) - s), prior))

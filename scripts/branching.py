@@ -21,10 +21,10 @@ import argparse
 import time
 from pathlib import Path
 
-from scripts.plot import mean_se, read_metrics
+from scripts.plot import mean_se
 from scripts.replicate import sft_stage, this_machine
 from scripts.testbed import OUT as TESTBED
-from scripts.testbed import SFT_SETTINGS, grid_arguments, grid_choices, run_cells, run_state, sft_digest, summary
+from scripts.testbed import SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_cells, sft_digest, summary
 
 OUT = "runs/branching"  # the default output, ignored by git (the committed grid: --out results/branching)
 RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
@@ -34,18 +34,15 @@ RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
          "lowprob-k18": ["--estimator", "vine", "--step-split", "lowprob:0.9", "--k", "18"]}
 
 
-def budget_table(out: Path, *, start: str | None) -> str:
-    """Per rule, means over iterations then mean +- SE over seeds: states per response asked for, distinct states
-    estimated, vines and vine tokens sampled, and seconds of the values section, per iteration."""
+def budget_table(runs: dict[str, dict[int, list[dict]]]) -> str:
+    """Per rule (runs: rule -> seed -> metrics, testbed.done_runs), means over iterations then mean +- SE over seeds:
+    states per response asked for, distinct states estimated, vines and vine tokens sampled, and seconds of the
+    values section, per iteration."""
     keys = ("steps_per_response", "value_states", "vines", "vine_tokens", "seconds_values", "seconds")
     lines = ["| rule | states / response | distinct states | vines | vine tokens | s values | s / iteration |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for rule in RULES:
-        runs = [read_metrics(p / "metrics.jsonl") for p in sorted(out.glob(f"{rule}-s*"))
-                if run_state(p, start=start) == "done"]
-        if not runs:
-            continue
-        trained = [[r for r in records if r["iteration"] > 0] for records in runs]
+    for rule, by_seed in runs.items():
+        trained = [[r for r in records if r["iteration"] > 0] for records in by_seed.values()]
         cells = []
         for key in keys:
             m, se = mean_se([sum(r[key] for r in t) / len(t) for t in trained])
@@ -127,11 +124,10 @@ def main():
         sft_dir, _ = sft_stage(Path(args.testbed), settings=SFT_SETTINGS)  # the testbed's; made if missing
         ran = run_cells([(r, s) for s in seeds for r in rules], out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs,
                         machine=this_machine(), arms=RULES)
-    text, mine = summary(out, seeds, started=None if args.redraw else started, extra=extra, arms=RULES,
-                         baseline="lines", sft_dir=sft_dir, ran=ran)
-    start = sft_digest(sft_dir)
-    text += ("\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n"
-             f"{budget_table(out, start=start)}\n")
+    text, mine = summary(out, started=None if args.redraw else started, extra=extra, arms=RULES, baseline="lines",
+                         sft_dir=sft_dir, ran=ran)
+    runs, _ = done_runs(out, arms=RULES, start=sft_digest(sft_dir))
+    text += f"\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n{budget_table(runs)}\n"
     (out / "results.md").write_text(text)
     print(text + "\n" + mine)
 

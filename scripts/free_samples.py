@@ -17,15 +17,15 @@ curves.png. --values compares the value estimates themselves (values.estimate_va
 a 256-vine truth on groups of 8 responses: K = 9 fresh, free + 9 fresh (add), free + top-up to 9 (topup).
 """
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
-from scripts.plot import area, mean_se, pm, read_metrics
+from scripts.plot import area, mean_se
 from scripts.replicate import sft_stage, this_machine
 from scripts.testbed import OUT as TESTBED
-from scripts.testbed import SFT_SETTINGS, grid_arguments, grid_choices, run_cells, run_state, sft_digest, summary
+from scripts.testbed import (SFT_SETTINGS, done_runs, grid_arguments, grid_choices, paired_cells, run_cells, sft_digest,
+                             summary)
 
 OUT = "runs/free-samples"  # the default output, ignored by git (the committed grid: --out results/free-samples)
 ARMS = {"vine": ["--estimator", "vine"], "vine-free": ["--estimator", "vine", "--free-samples", "topup"],
@@ -45,36 +45,26 @@ def token_curve(records: list[dict]) -> list[tuple[float, float]]:
     return out
 
 
-def cost_table(out: Path, *, start: str | None, baseline: str = "vine") -> str:
-    """Per arm, mean +- SE over seeds and paired with `baseline` by seed: mean pass@1 over the evaluations after
-    iteration 0 (per iteration), mean pass@1 over sampled tokens (up to the costliest run's total), and the cost of an
-    iteration: tokens sampled, vines, free samples per state, seconds."""
-    runs = {arm: {} for arm in ARMS}
-    for arm in ARMS:
-        for run_dir in sorted(out.glob(f"{arm}-s*")):
-            if run_dir.name.rsplit("-s", 1)[0] == arm and run_state(run_dir, start=start) == "done":
-                runs[arm][int(run_dir.name.rsplit("-s", 1)[1])] = read_metrics(run_dir / "metrics.jsonl")
-    budget = max((token_curve(r)[-1][0] for seeds in runs.values() for r in seeds.values()), default=0.0)
-    per_it = {arm: {s: sum(a for _, a in token_curve(r)[1:]) / len(token_curve(r)[1:]) for s, r in seeds.items()}
-              for arm, seeds in runs.items()}
-    per_tok = {arm: {s: area(token_curve(r), minutes=budget) for s, r in seeds.items()} for arm, seeds in runs.items()}
+def cost_table(runs: dict[str, dict[int, list[dict]]], *, baseline: str = "vine") -> str:
+    """Per arm (runs: arm -> seed -> metrics, testbed.done_runs), mean +- SE over seeds and paired with `baseline` by
+    seed: mean pass@1 over the evaluations after iteration 0 (per iteration), mean pass@1 over sampled tokens (up to
+    the costliest run's total), and the cost of an iteration: tokens sampled, vines, free samples per state, seconds."""
+    curves = {arm: {seed: token_curve(records) for seed, records in by_seed.items()} for arm, by_seed in runs.items()}
+    budget = max((c[-1][0] for by_seed in curves.values() for c in by_seed.values()), default=0.0)
+    per_it = {arm: {s: sum(a for _, a in c[1:]) / len(c[1:]) for s, c in by_seed.items()}
+              for arm, by_seed in curves.items()}
+    per_tok = {arm: {s: area(c, minutes=budget) for s, c in by_seed.items()} for arm, by_seed in curves.items()}
     lines = [f"| arm | seeds | mean pass@1 per iteration | paired − {baseline} | mean pass@1 over sampled tokens "
              f"(to {budget:.1f} M) | paired − {baseline} | M tokens / iteration | vines / iteration | free / state | "
              "s / iteration |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for arm, seeds in runs.items():
-        if not seeds:
-            continue
-        cells = []
-        for table in (per_it, per_tok):
-            mine, base = table[arm], table[baseline]
-            paired = [v - base[s] for s, v in mine.items() if s in base]
-            cells += [pm(*mean_se(list(mine.values())), len(mine)), "–" if arm == baseline or not paired else
-                      f"{pm(*mean_se(paired), len(paired), signed=True)} ({len(paired)})"]
-        trained = [[r for r in records if r["iteration"] > 0] for records in seeds.values()]
+    for arm, by_seed in runs.items():
+        cells = [cell for table in (per_it, per_tok)
+                 for cell in paired_cells(table[arm], table.get(baseline, {}), is_baseline=arm == baseline)]
+        trained = [[r for r in records if r["iteration"] > 0] for records in by_seed.values()]
         cost = [mean_se([sum(f(r) for r in t) / len(t) for t in trained])[0] for f in (
             lambda r: r.get("sampled_tokens", r["response_length"] * BATCH + r.get("vine_tokens", 0)) / 1e6,
             lambda r: r.get("vines", 0), lambda r: r.get("free_per_state", 0), lambda r: r["seconds"])]
-        lines.append(f"| {arm} | {len(seeds)} | " + " | ".join(cells) +
+        lines.append(f"| {arm} | {len(by_seed)} | " + " | ".join(cells) +
                      f" | {cost[0]:.3f} | {cost[1]:.0f} | {cost[2]:.2f} | {cost[3]:.1f} |")
     return "\n".join(lines)
 
@@ -161,10 +151,10 @@ def main():
         sft_dir, _ = sft_stage(Path(args.testbed), settings=SFT_SETTINGS)
         ran = run_cells([(a, s) for s in seeds for a in arms], out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs,
                         machine=this_machine(), arms=ARMS)
-    text, mine = summary(out, seeds, started=None if args.redraw else started, extra=extra, arms=ARMS,
-                         baseline="vine", sft_dir=sft_dir, ran=ran)
-    text += (f"\nThree cost axes, paired with vine by seed (± SE over seeds):\n\n"
-             f"{cost_table(out, start=sft_digest(sft_dir))}\n")
+    text, mine = summary(out, started=None if args.redraw else started, extra=extra, arms=ARMS, baseline="vine",
+                         sft_dir=sft_dir, ran=ran)
+    runs, _ = done_runs(out, arms=ARMS, start=sft_digest(sft_dir))
+    text += f"\nThree cost axes, paired with vine by seed (± SE over seeds):\n\n{cost_table(runs)}\n"
     (out / "results.md").write_text(text)
     print(text + "\n" + mine)
 

@@ -115,24 +115,16 @@ def sft_digest(sft_dir: Path) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
-def summary(out: Path, seeds: list[int], *, started: float, extra: list[str], arms: dict[str, list[str]] = ESTIMATORS,
+def summary(out: Path, *, started: float, extra: list[str], arms: dict[str, list[str]] = ESTIMATORS,
             baseline: str = "vine", sft_dir: Path | None = None, ran: list[str] = ()) -> tuple[str, str]:
     """results.md, results.json and curves.png over every finished run in out made from sft_dir's model (paired
     differences to `baseline`). Returns results.md's text and the table of `ran`, this invocation's runs, beside
     the reference grid (invocation_table; empty if it ran none)."""
     sft_dir = sft_dir or out / "sft"
-    digest, rows, runs, other = sft_digest(sft_dir), [], {}, []
-    seen = sorted({int(p.name.rsplit("-s", 1)[1]) for p in out.glob("*-s*") if p.is_dir()
-                   and p.name.rsplit("-s", 1)[1].isdigit()} | set(seeds))
-    for seed in seen:
-        for estimator in arms:
-            run_dir = out / f"{estimator}-s{seed}"
-            state = run_state(run_dir, start=digest)
-            other += [run_dir.name] if state == "other start" else []
-            if state == "done":
-                records = read_metrics(run_dir / "metrics.jsonl")
-                rows.append(summarize(records, estimator, seed))
-                runs.setdefault(estimator, {})[seed] = records
+    digest = sft_digest(sft_dir)
+    runs, other = done_runs(out, arms=arms, start=digest)
+    rows = [summarize(runs[arm][seed], arm, seed) for seed in sorted({s for by_seed in runs.values() for s in by_seed})
+            for arm in arms if seed in runs.get(arm, {})]
     if not rows:
         raise SystemExit(f"error: no finished run in {out} to summarize")
     budget = max(r["train_minutes"] for r in rows) * 60  # the longest run: the time axis of the summary
@@ -155,7 +147,7 @@ def summary(out: Path, seeds: list[int], *, started: float, extra: list[str], ar
             + (f"This invocation: {(time.time() - started) / 60:.0f} min.\n\n" if started else "\n") +
             f"{summary_markdown(grid, threshold=THRESHOLD, baseline=baseline)}\n\n"
             "Pass@1 against iterations (± SE over "
-            f"seeds):\n\n{iteration_table(out, arms=arms, baseline=baseline, start=digest)}\n\n"
+            f"seeds):\n\n{iteration_table(runs, baseline=baseline)}\n\n"
             f"{signal_table(runs)}\n\nPer run:\n\n{table(rows)}\n")
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps({"sft": SFT_SETTINGS, "sft_sha256": digest, "settings": SETTINGS + extra,
@@ -164,26 +156,43 @@ def summary(out: Path, seeds: list[int], *, started: float, extra: list[str], ar
     return text, invocation_table(mine, out=out, digest=digest, start=start) if mine else ""
 
 
-def iteration_table(out: Path, *, arms: dict[str, list[str]], baseline: str, start: str | None) -> str:
-    """Per arm, pass@1 against iterations: the mean of its evaluations after iteration 0 (3, 6, ..., 30), mean +- SE
-    over seeds, and paired with `baseline` on the same seed (mean +- SE of the per-seed differences)."""
-    curves = {arm: {} for arm in arms}
+def done_runs(out: Path, *, arms: dict[str, list[str]], start: str | None) -> tuple[dict[str, dict[int, list[dict]]],
+                                                                                 list[str]]:
+    """The metrics of every finished run in out made from `start` (the SFT weights' sha256; None: any), by arm and
+    seed, arms in order; and the names of the runs, done or cut off, made from another start (run_state)."""
+    runs, other = {}, []
     for arm in arms:
-        for run_dir in sorted(out.glob(f"{arm}-s*")):
-            if run_dir.name.rsplit("-s", 1)[0] == arm and run_state(run_dir, start=start) == "done":
-                evals = [r["eval_accuracy"] for r in read_metrics(run_dir / "metrics.jsonl")
-                         if "eval_accuracy" in r and r["iteration"] > 0]
-                curves[arm][int(run_dir.name.rsplit("-s", 1)[1])] = sum(evals) / len(evals)
+        for run_dir in sorted(out.glob(f"{arm}-s*"), key=lambda p: p.name):
+            name, _, seed = run_dir.name.rpartition("-s")
+            if name != arm or not seed.isdigit() or not run_dir.is_dir():
+                continue
+            state = run_state(run_dir, start=start)
+            if state == "done":
+                runs.setdefault(arm, {})[int(seed)] = read_metrics(run_dir / "metrics.jsonl")
+            other += [run_dir.name] if state == "other start" else []
+    return runs, sorted(other, key=lambda name: (int(name.rpartition("-s")[2]), list(arms).index(
+        name.rpartition("-s")[0])))
+
+
+def paired_cells(by_seed: dict[int, float], base: dict[int, float], *, is_baseline: bool) -> list[str]:
+    """Two table cells: the mean +- SE over seeds of `by_seed` (one value per seed), and its paired difference to
+    `base` on the seeds both have (mean +- SE of the per-seed differences, and how many); "–" for the baseline."""
+    paired = [v - base[seed] for seed, v in by_seed.items() if seed in base]
+    return [pm(*mean_se(list(by_seed.values())), len(by_seed)), "–" if is_baseline or not paired else
+            f"{pm(*mean_se(paired), len(paired), signed=True)} ({len(paired)})"]
+
+
+def iteration_table(runs: dict[str, dict[int, list[dict]]], *, baseline: str) -> str:
+    """Per arm (runs: arm -> seed -> metrics, done_runs), pass@1 against iterations: the mean of its evaluations after
+    iteration 0 (3, 6, ..., 30), mean +- SE over seeds, and paired with `baseline` on the same seed."""
+    curves = {arm: {seed: sum(evals) / len(evals) for seed, records in by_seed.items()
+                    for evals in [[r["eval_accuracy"] for r in records if "eval_accuracy" in r and r["iteration"] > 0]]}
+              for arm, by_seed in runs.items()}
     lines = [f"| arm | seeds | mean pass@1, iterations {EVAL_EVERY}-{ITERATIONS} | paired − {baseline} |",
              "| --- | --- | --- | --- |"]
     for arm, by_seed in curves.items():
-        if not by_seed:
-            continue
-        m, se = mean_se(list(by_seed.values()))
-        paired = [v - curves[baseline][seed] for seed, v in by_seed.items() if seed in curves.get(baseline, {})]
-        diff = "–" if arm == baseline or not paired else \
-            f"{pm(*mean_se(paired), len(paired), signed=True)} ({len(paired)})"
-        lines.append(f"| {arm} | {len(by_seed)} | {pm(m, se, len(by_seed))} | {diff} |")
+        cells = paired_cells(by_seed, curves.get(baseline, {}), is_baseline=arm == baseline)
+        lines.append(f"| {arm} | {len(by_seed)} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines)
 
 
@@ -292,7 +301,7 @@ def main():
         sft_dir, _ = sft_stage(out, settings=SFT_SETTINGS)  # once; resumed if it was cut off
         cells = [(e, s) for s in seeds for e in estimators]
         ran = run_cells(cells, out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs, machine=this_machine())
-    print("\n".join(summary(out, seeds, started=None if args.redraw else started, extra=extra, ran=ran)))
+    print("\n".join(summary(out, started=None if args.redraw else started, extra=extra, ran=ran)))
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def test_tracker_shows_the_steps_the_vines_used():
 
 def test_branching_arms_and_budget_table(tmp_path):
     from scripts.branching import RULES, budget_table
-    from scripts.testbed import ITERATIONS, iteration_table
+    from scripts.testbed import ITERATIONS, done_runs, iteration_table
     splits = [flags[flags.index("--step-split") + 1] for flags in RULES.values()]
     assert splits == ["auto", "tokens:10", "lowprob:0.9", "entropy:0.2", "lowprob:0.9"]
     assert all(step_split_problem(split) is None for split in splits)
@@ -103,7 +103,7 @@ def test_branching_arms_and_budget_table(tmp_path):
                      "vine_tokens": 100 * states, "seconds_values": 4.0, "seconds": 10.0} for i in range(1, ITERATIONS + 1)]
         records[-1].update(eval_accuracy=0.6, eval_se=0.02)
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    table = budget_table(tmp_path, start=None).splitlines()
+    table = budget_table(done_runs(tmp_path, arms=RULES, start=None)[0]).splitlines()
     assert len(table) == 3 and table[2].startswith("| lowprob | 2.00 ± 0.00 | 320 ± 20 | 2880 ± 180 |")
     for seed, final in ((0, 0.7), (1, 0.5)):  # lines: evaluations 0.6 (iterations 3-27) and `final`
         run = tmp_path / f"lines-s{seed}"
@@ -111,7 +111,7 @@ def test_branching_arms_and_budget_table(tmp_path):
         records = [{"iteration": i, "eval_accuracy": 0.5 if i == 0 else 0.6, "eval_se": 0.02}
                    for i in range(0, ITERATIONS, 3)] + [{"iteration": ITERATIONS, "eval_accuracy": final, "eval_se": 0.02}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    rows = iteration_table(tmp_path, arms=RULES, baseline="lines", start=None).splitlines()[2:]  # lowprob's only evaluation after 0: 0.6 at the end
+    rows = iteration_table(done_runs(tmp_path, arms=RULES, start=None)[0], baseline="lines").splitlines()[2:]  # lowprob's only evaluation after 0: 0.6 at the end
     assert rows[0] == "| lines | 2 | 0.600 ± 0.010 | – |"
     assert rows[1] == "| lowprob | 2 | 0.600 ± 0.000 | +0.000 ± 0.010 (2) |"
 

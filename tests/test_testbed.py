@@ -217,7 +217,7 @@ def test_a_grid_never_reuses_runs_made_from_another_sft_model(tmp_path, monkeypa
         testbed.run_cells([("vine", 0), ("grpo", 0), ("rloo", 0)], out=tmp_path, sft_dir=sft, extra=[], jobs=1,
                           machine={})
     monkeypatch.undo()  # matplotlib's font cache runs a subprocess
-    text, mine = testbed.summary(tmp_path, [0], started=None, extra=[], ran=["vine-s0"])
+    text, mine = testbed.summary(tmp_path, started=None, extra=[], ran=["vine-s0"])
     assert "Left out, made from another SFT model: grpo-s0, rloo-s0." in text and "| vine | 1 |" in text
     assert "| grpo |" not in text and "± 0.000" not in text  # one seed: no "± 0.000" as an SE
     assert mine.splitlines()[4] == "| vine-s0 | 0.500 | 0.800 | +0.300 ± 0.020 | 5.2 | 10.0 |"

@@ -141,7 +141,7 @@ def test_free_samples_leave_one_out_on_a_hand_built_group():
     starts, rewards = [[0, 1, 2, 3], [0, 1], [0, 1, 2]], [1.0, 0.0, 1.0]
     sequences = [tuple(prompt + r) for r in responses]
     keys = [(7, 7), (7, 7, 0), (7, 7, 0, 1), (7, 7, 0, 1, 2), (7, 7, 0, 2), (7, 7, 1)]
-    assert responses_through(keys, sequences=sequences, groups={(7, 7): [0, 1, 2]}, prompt_of=[(7, 7)] * 6) == [
+    assert [responses_through(key, prompt=(7, 7), sequences=sequences, groups={(7, 7): [0, 1, 2]}) for key in keys] == [
         [0, 1, 2], [0, 1, 2], [0, 1], [0], [2], []]
     assert round_sizes([[1.0, 0.0], [], [1.0] * 9], k_mode="fixed", K=9, k_round=3, k_max=27, k_ci=0.5) == [7, 9, 0]
     run = dict(prompts=[prompt] * 3, responses=responses, step_starts=starts, answers=["1"] * 3, grader="gsm8k",
