@@ -69,43 +69,61 @@ def cost_table(runs: dict[str, dict[int, list[dict]]], *, baseline: str = "vine"
     return "\n".join(lines)
 
 
-def value_errors(model_dir: Path, *, prompts: int, truth: int, seed: int) -> str:
-    """Fig. 3 for free samples: groups of 8 responses to `prompts` train problems from the model (the testbed's
-    sampling settings); each response's state values from values.estimate_values with K = 9 fresh vines (off), free +
-    9 fresh (add) and free + top-up to 9 (topup), against the mean of `truth` fresh vines per distinct state. Mean
-    absolute error over (response, state) pairs (all, and states of intermediate truth), siblings (two states after
-    one parent) ordered like the truth where it differs by >= 0.05, and the fresh vines each variant sampled."""
+def sample_groups(model_dir: Path, *, prompts: int, seed: int, ops: int = 4, filler: int = 0,
+                  max_new_tokens: int = 64) -> tuple:
+    """Groups of 8 responses to `prompts` train problems of chain (ops operations, filler lines) from the model at
+    the testbed's sampling settings. Returns (sampler, batch: values.estimate_values' arguments, keys: each
+    response's states, prompt + prefix tokens)."""
     import torch
 
     from data import encode_prompt, load_split
     from engine import HFSampler
     from grader import grade
     from model import load_model, load_tokenizer
-    from values import estimate_values, mc_rollouts, step_token_starts
+    from values import step_token_starts
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir), device=torch.device("cpu"), dtype=torch.float32, frozen=True)
     sampler = HFSampler(model, tokenizer, dtype=torch.float32)
-    examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=4), prompts)
+    examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=ops, chain_filler=filler), prompts)
     ids = [encode_prompt(e["question"], grader="chain", tokenizer=tokenizer, prompt_format="plain") for e in examples]
-    groups = sampler.sample(ids, n=8, temperature=0.6, top_p=0.9, max_new_tokens=64, seed=seed)
+    groups = sampler.sample(ids, n=8, temperature=0.6, top_p=0.9, max_new_tokens=max_new_tokens, seed=seed)
     batch = dict(prompts=[p for p, g in zip(ids, groups) for _ in g],
                  responses=[s.token_ids for g in groups for s in g],
                  answers=[e["answer"] for e, g in zip(examples, groups) for _ in g], grader="chain", temperature=0.6,
-                 top_p=0.9, max_new_tokens=64)
+                 top_p=0.9, max_new_tokens=max_new_tokens)
     samples = [s for g in groups for s in g]
     batch["step_starts"] = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task="chain") for s in samples]
     batch["rewards"] = [grade(s.text, a, grader="chain", truncated=not s.finished) for s, a in
                         zip(samples, batch["answers"])]
     keys = [[tuple(p + r[:t]) for t in st] for p, r, st in zip(batch["prompts"], batch["responses"],
                                                                  batch["step_starts"])]
+    return sampler, batch, keys
+
+
+def true_values(sampler, batch: dict, keys: list[list[tuple]], *, truth: int, seed: int) -> dict[tuple, float]:
+    """The mean reward of `truth` fresh vines from every distinct state of keys (sample_groups)."""
+    from values import mc_rollouts
     distinct = sorted({k for ks in keys for k in ks})
-    owner = {k: (i, j) for i, ks in enumerate(keys) for j, k in enumerate(ks)}
-    scores, _ = mc_rollouts(sampler=sampler, sequences=[list(batch["prompts"][owner[k][0]] + batch["responses"][
-        owner[k][0]]) for k in distinct], prefix_lens=[len(k) for k in distinct],
-        prompt_lens=[len(batch["prompts"][owner[k][0]]) for k in distinct],
-        answers=[batch["answers"][owner[k][0]] for k in distinct], grader="chain", K=truth, temperature=0.6,
-        top_p=0.9, max_new_tokens=64, seed=seed + 1)
-    true = {k: sum(sc) / len(sc) for k, sc in zip(distinct, scores)}
+    owner = {k: i for i, ks in enumerate(keys) for k in ks}
+    scores, _ = mc_rollouts(sampler=sampler, sequences=[list(batch["prompts"][owner[k]] + batch["responses"][owner[k]])
+                                                        for k in distinct], prefix_lens=[len(k) for k in distinct],
+                            prompt_lens=[len(batch["prompts"][owner[k]]) for k in distinct],
+                            answers=[batch["answers"][owner[k]] for k in distinct], grader="chain", K=truth,
+                            temperature=batch["temperature"], top_p=batch["top_p"],
+                            max_new_tokens=batch["max_new_tokens"], seed=seed)
+    return {k: sum(sc) / len(sc) for k, sc in zip(distinct, scores)}
+
+
+def value_errors(model_dir: Path, *, prompts: int, truth: int, seed: int) -> str:
+    """Fig. 3 for free samples: groups of 8 responses to `prompts` train problems from the model (sample_groups);
+    each response's state values from values.estimate_values with K = 9 fresh vines (off), free + 9 fresh (add) and
+    free + top-up to 9 (topup), against the mean of `truth` fresh vines per distinct state. Mean absolute error over
+    (response, state) pairs (all, and states of intermediate truth), siblings (two states after one parent) ordered
+    like the truth where it differs by >= 0.05, and the fresh vines each variant sampled."""
+    from values import estimate_values
+    sampler, batch, keys = sample_groups(model_dir, prompts=prompts, seed=seed)
+    true = true_values(sampler, batch, keys, truth=truth, seed=seed + 1)
+    distinct = sorted(true)
     children = {}  # parent state -> the distinct next states after it, and a response holding each
     for i, ks in enumerate(keys):
         for a, b in zip(ks, ks[1:]):

@@ -78,34 +78,44 @@ def command(estimator: str, seed: int, *, out: Path, sft_dir: Path, extra: list[
 
 def run_cells(cells: list[tuple[str, int]], *, out: Path, sft_dir: Path, extra: list[str], jobs: int,
               machine: dict, arms: dict[str, list[str]] = ESTIMATORS) -> list[str]:
-    """Run the cells that are not done, `jobs` at a time; each writes its output to its folder's log.txt. A cell
-    made from another SFT model than sft_dir's is a one-line error, never reused. Returns the cells run."""
-    start = sft_digest(sft_dir)
-    states = {(e, s): run_state(out / f"{e}-s{s}", start=start) for e, s in cells}
-    if other := [f"{e}-s{s}" for (e, s), state in states.items() if state == "other start"]:
-        raise SystemExit(f"error: {out}: {', '.join(other)} started from another model than {sft_dir} (sha256 "
-                         f"{start[:12]}; see their start.json): pass a new --out, or move those runs away")
+    """Run the cells (arm, seed) of one folder that are not done, `jobs` at a time (run_grid); returns the names of
+    the cells run."""
+    return [name for _, name in run_grid([(out, arm, seed) for arm, seed in cells], sft_dirs={out: sft_dir},
+                                         extras={out: extra}, jobs=jobs, machine=machine, arms=arms)]
+
+
+def run_grid(cells: list[tuple[Path, str, int]], *, sft_dirs: dict[Path, Path], extras: dict[Path, list[str]],
+             jobs: int, machine: dict, arms: dict[str, list[str]] = ESTIMATORS) -> list[tuple[Path, str]]:
+    """Run the cells (folder, arm, seed) that are not done, in order, `jobs` at a time, each from its folder's SFT
+    model (sft_dirs) with its folder's extra train.py flags (extras); each writes its output to its folder's log.txt.
+    A cell made from another SFT model than its folder's is a one-line error, never reused, and nothing runs.
+    Returns the (folder, name) of the cells run."""
+    starts = {out: sft_digest(sft_dir) for out, sft_dir in sft_dirs.items()}
+    states = {(out, a, s): run_state(out / f"{a}-s{s}", start=starts[out]) for out, a, s in cells}
+    for out in sft_dirs:
+        if other := [f"{a}-s{s}" for (where, a, s), state in states.items() if where == out and state == "other start"]:
+            raise SystemExit(f"error: {out}: {', '.join(other)} started from another model than {sft_dirs[out]} (sha256 "
+                             f"{str(starts[out])[:12]}; see their start.json): pass a new --out, or move those runs away")
     todo, ran, running = [cell for cell in cells if states[cell] != "done"], [], []
     while todo or running:
         while todo and len(running) < jobs:
-            estimator, seed = todo.pop(0)
-            run_dir = out / f"{estimator}-s{seed}"
+            out, arm, seed = todo.pop(0)
+            run_dir = out / f"{arm}-s{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "machine.json").write_text(json.dumps({**machine, "jobs": jobs}) + "\n")
-            cmd = command(estimator, seed, out=out, sft_dir=sft_dir, extra=extra, arms=arms)
+            cmd = command(arm, seed, out=out, sft_dir=sft_dirs[out], extra=extras[out], arms=arms)
             print("$", " ".join(cmd), flush=True)
             log = open(run_dir / "log.txt", "a")
-            running.append((estimator, seed, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT),
-                            log))
+            running.append((run_dir, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
         time.sleep(1)
-        for cell in [c for c in running if c[2].poll() is not None]:
+        for cell in [c for c in running if c[1].poll() is not None]:
             running.remove(cell)
-            cell[3].close()
-            estimator, seed, process, log = cell
+            run_dir, process, log = cell
+            log.close()
             if process.returncode != 0:
-                raise SystemExit(f"error: the {estimator} run (seed {seed}) failed; see {out}/{estimator}-s{seed}/log.txt")
-            print(f"{estimator} seed {seed}: done", flush=True)
-            ran.append(f"{estimator}-s{seed}")
+                raise SystemExit(f"error: {run_dir} failed; see {run_dir}/log.txt")
+            print(f"{run_dir}: done", flush=True)
+            ran.append((run_dir.parent, run_dir.name))
     return ran
 
 
@@ -116,10 +126,11 @@ def sft_digest(sft_dir: Path) -> str | None:
 
 
 def summary(out: Path, *, started: float, extra: list[str], arms: dict[str, list[str]] = ESTIMATORS,
-            baseline: str = "vine", sft_dir: Path | None = None, ran: list[str] = ()) -> tuple[str, str]:
-    """results.md, results.json and curves.png over every finished run in out made from sft_dir's model (paired
-    differences to `baseline`). Returns results.md's text and the table of `ran`, this invocation's runs, beside
-    the reference grid (invocation_table; empty if it ran none)."""
+            baseline: str = "vine", sft_dir: Path | None = None, ran: list[str] = (),
+            sft_settings: list[str] = SFT_SETTINGS) -> tuple[str, str]:
+    """results.md, results.json and curves.png over every finished run in out made from sft_dir's model (made by
+    sft.py with sft_settings; paired differences to `baseline`). Returns results.md's text and the table of `ran`, this invocation's
+    runs, beside the reference grid (invocation_table; empty if it ran none)."""
     sft_dir = sft_dir or out / "sft"
     digest = sft_digest(sft_dir)
     runs, other = done_runs(out, arms=arms, start=digest)
@@ -137,7 +148,7 @@ def summary(out: Path, *, started: float, extra: list[str], arms: dict[str, list
         if path.exists():
             machine = json.loads(path.read_text())
             machines.add(f"{describe(machine)}, {machine.get('jobs', 1)} run(s) at once")
-    text = (f"SFT from scratch: `sft.py {' '.join(SFT_SETTINGS)}`; its greedy pass@1 on the 500 test problems: "
+    text = (f"SFT from scratch: `sft.py {' '.join(sft_settings)}`; its greedy pass@1 on the 500 test problems: "
             f"{start.get('eval_accuracy', float('nan')):.3f} ± {start.get('eval_se', float('nan')):.3f}, first wrong "
             f"line of the wrong answers: {start.get('first_wrong_line')}; sha256 {digest}.\n\n"
             f"RL: {ITERATIONS} iterations of 64 x 8 for every arm; settings `{' '.join(SETTINGS + extra)}`; arms: "
@@ -150,7 +161,7 @@ def summary(out: Path, *, started: float, extra: list[str], arms: dict[str, list
             f"seeds):\n\n{iteration_table(runs, baseline=baseline)}\n\n"
             f"{signal_table(runs)}\n\nPer run:\n\n{table(rows)}\n")
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"sft": SFT_SETTINGS, "sft_sha256": digest, "settings": SETTINGS + extra,
+    (out / "results.json").write_text(json.dumps({"sft": sft_settings, "sft_sha256": digest, "settings": SETTINGS + extra,
                                                   "runs": rows, "summary": grid}, indent=1))
     mine = [r for r in rows if f"{r['estimator']}-s{r['seed']}" in ran]
     return text, invocation_table(mine, out=out, digest=digest, start=start) if mine else ""
