@@ -126,11 +126,16 @@ def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int
     every step (before whitening); the share of each one's advantage mass on steps whose true advantage is below
     0.05 in size (credit where none is due: filler lines, copied lines); and for the wrong responses, how often
     another member of the group passes through the state before its decisive step (decisive_state), and how often
-    one of those is right (grpo then sees the step's outcome, as a vine would)."""
+    one of those is right (grpo then sees the step's outcome, as a vine would), over the responses whose decisive
+    state lies past the prompt (at the prompt every member shares it: decisive_at_prompt says how often). One thread, 512 decode slots, as
+    the grid's runs sample."""
+    import torch
+
     from advantages import group_baseline_advantages
     from values import estimate_values, responses_through
+    torch.set_num_threads(1)
     sampler, batch, keys = sample_groups(model_dir, prompts=prompts, seed=seed, ops=ops, filler=filler,
-                                         max_new_tokens=16 * ops + 4 * filler)
+                                         max_new_tokens=16 * ops + 4 * filler, batch_size=512)
     true = true_values(sampler, batch, keys, truth=truth, seed=seed + 1)
     values, stats = estimate_values(sampler=sampler, K=9, seed=seed + 2, **batch)
     rewards, prompts_of = batch["rewards"], [tuple(p) for p in batch["prompts"]]
@@ -154,32 +159,34 @@ def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int
         if (d := decisive_state(truth_i[:-1], rewards[i], lost=0.02)) is not None:
             through = [j for j in responses_through(ks[d], prompt=prompts_of[i], sequences=sequences, groups=groups)
                        if j != i]
-            shared.append((bool(through), any(rewards[j] > 0 for j in through)))
-    middle = [e for e, mid in errors if mid]
+            shared.append((d, bool(through), any(rewards[j] > 0 for j in through)))
+    middle, past = [e for e, mid in errors if mid], [(s, r) for d, s, r in shared if d > 0]  # past the prompt
     return {"prompts": prompts, "truth": truth, "responses": len(keys), "steps_per_response": sum(map(len, keys)) /
             len(keys), "distinct_states": len(true), "reward_mean": sum(rewards) / len(rewards),
             "value_mae": sum(e for e, _ in errors) / len(errors), "value_mae_intermediate": sum(middle) / max(
                 len(middle), 1), "vines": stats["vines"],
             **{f"sign_accuracy_{k}": r / max(n, 1) for k, (r, n) in signs.items()}, "signed_steps": signs["vine"][1],
             **{f"misplaced_{k}": m / max(t, 1e-12) for k, (m, t) in mass.items()},
-            "wrong_with_decisive_state": len(shared), "decisive_state_shared": sum(s for s, _ in shared) / max(
-                len(shared), 1), "decisive_state_right_sibling": sum(r for _, r in shared) / max(len(shared), 1)}
+            "wrong_with_decisive_state": len(shared), "decisive_at_prompt": 1 - len(past) / max(len(shared), 1),
+            "decisive_state_shared": sum(s for s, _ in past) / max(len(past), 1),
+            "decisive_state_right_sibling": sum(r for _, r in past) / max(len(past), 1)}
 
 
 def diagnose_table(out: Path, settings: list[str]) -> str:
     """The diagnose.json of every setting that has one, a row each."""
     lines = ["| setting | steps / response | distinct states | value MAE, K = 9 (intermediate) | sign accuracy, vine | "
-             "sign accuracy, grpo | advantage mass where none is due: vine | grpo | wrong responses whose decisive "
-             "state another member shares | ... and one of those is right |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "sign accuracy, grpo | advantage mass where none is due: vine | grpo | wrong responses decided at the "
+             "prompt | decided later: another member shares the decisive state | ... and one of those is right |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for setting in settings:
         if (path := out / setting / "diagnose.json").exists():
             d = json.loads(path.read_text())
             lines.append(f"| {setting} | {d['steps_per_response']:.1f} | {d['distinct_states']} | "
                          f"{d['value_mae']:.3f} ({d['value_mae_intermediate']:.3f}) | "
                          f"{d['sign_accuracy_vine']:.3f} | {d['sign_accuracy_grpo']:.3f} | {d['misplaced_vine']:.3f} | "
-                         f"{d['misplaced_grpo']:.3f} | {d['decisive_state_shared']:.2f} of "
-                         f"{d['wrong_with_decisive_state']} | {d['decisive_state_right_sibling']:.2f} |")
+                         f"{d['misplaced_grpo']:.3f} | {d['decisive_at_prompt']:.2f} of "
+                         f"{d['wrong_with_decisive_state']} | {d['decisive_state_shared']:.2f} | "
+                         f"{d['decisive_state_right_sibling']:.2f} |")
     return "\n".join(lines)
 
 

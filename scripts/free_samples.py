@@ -70,10 +70,10 @@ def cost_table(runs: dict[str, dict[int, list[dict]]], *, baseline: str = "vine"
 
 
 def sample_groups(model_dir: Path, *, prompts: int, seed: int, ops: int = 4, filler: int = 0,
-                  max_new_tokens: int = 64) -> tuple:
+                  max_new_tokens: int = 64, batch_size: int = 256) -> tuple:
     """Groups of 8 responses to `prompts` train problems of chain (ops operations, filler lines) from the model at
     the testbed's sampling settings. Returns (sampler, batch: values.estimate_values' arguments, keys: each
-    response's states, prompt + prefix tokens)."""
+    response's states, prompt + prefix tokens). batch_size: the sampler's decode slots."""
     import torch
 
     from data import encode_prompt, load_split
@@ -83,7 +83,7 @@ def sample_groups(model_dir: Path, *, prompts: int, seed: int, ops: int = 4, fil
     from values import step_token_starts
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir), device=torch.device("cpu"), dtype=torch.float32, frozen=True)
-    sampler = HFSampler(model, tokenizer, dtype=torch.float32)
+    sampler = HFSampler(model, tokenizer, dtype=torch.float32, batch_size=batch_size)
     examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=ops, chain_filler=filler), prompts)
     ids = [encode_prompt(e["question"], grader="chain", tokenizer=tokenizer, prompt_format="plain") for e in examples]
     groups = sampler.sample(ids, n=8, temperature=0.6, top_p=0.9, max_new_tokens=max_new_tokens, seed=seed)
