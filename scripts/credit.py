@@ -120,15 +120,17 @@ def decisive_state(true_values: list[float], reward: float, *, lost: float) -> i
 
 def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int, seed: int) -> dict:
     """Why, on one setting's SFT policy: groups of 8 responses to `prompts` train problems (free_samples.sample_groups),
-    every distinct state's true value from `truth` vines, and K = 9 fresh vines as training takes them. Returns the
-    value error (mean absolute, all states and states of intermediate truth); the sign accuracy, against the true step
-    advantage where it is at least 0.1 in size, of vine's step advantages and of grpo's response advantage applied to
-    every step (before whitening); the share of each one's advantage mass on steps whose true advantage is below
-    0.05 in size (credit where none is due: filler lines, copied lines); and for the wrong responses, how often
-    another member of the group passes through the state before its decisive step (decisive_state), and how often
-    one of those is right (grpo then sees the step's outcome, as a vine would), over the responses whose decisive
-    state lies past the prompt (at the prompt every member shares it: decisive_at_prompt says how often). One thread, 512 decode slots, as
-    the grid's runs sample."""
+    every distinct state's true value from `truth` vines, and K = 9 fresh vines as training takes them. Returns:
+    - the value error of K = 9 (mean absolute; all states, and states of intermediate truth);
+    - the sign accuracy, against the true step advantage where it is at least 0.1 in size, of vine's step advantages
+      and of grpo's response advantage applied to every step (before whitening), and how often the estimate is 0
+      there (no credit: counted wrong);
+    - the share of each one's advantage mass on steps whose true advantage is below 0.05 in size (credit where none
+      is due: filler lines, copied lines);
+    - for the wrong responses, how often the decisive step (decisive_state) is the first (the prompt, which every
+      member shares); for the others, how often another member passes through the state before it, and how often one
+      of those is right (grpo then sees the step's two outcomes, as a vine would).
+    Samples on one thread with 512 decode slots, as the grid's runs do."""
     import torch
 
     from advantages import group_baseline_advantages
@@ -145,7 +147,8 @@ def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int
     groups = {}
     for i, p in enumerate(prompts_of):
         groups.setdefault(p, []).append(i)
-    errors, signs, mass, shared = [], {"vine": [0, 0], "grpo": [0, 0]}, {"vine": [0.0, 0.0], "grpo": [0.0, 0.0]}, []
+    errors, shared = [], []
+    signs, mass = {"vine": [0, 0, 0], "grpo": [0, 0, 0]}, {"vine": [0.0, 0.0], "grpo": [0.0, 0.0]}
     for i, ks in enumerate(keys):
         truth_i = [true[k] for k in ks] + [0.0]
         errors += [(abs(v - true[k]), 0 < true[k] < 1) for v, k in zip(values[i], ks)]
@@ -154,6 +157,7 @@ def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int
             right, counted = sign_accuracy(true_adv, estimate, at_least=0.1)
             signs[name][0] += right
             signs[name][1] += counted
+            signs[name][2] += sum(abs(t) >= 0.1 and e == 0 for t, e in zip(true_adv, estimate))  # no credit
             mass[name][0] += sum(abs(e) for t, e in zip(true_adv, estimate) if abs(t) < 0.05)
             mass[name][1] += sum(abs(e) for e in estimate)
         if (d := decisive_state(truth_i[:-1], rewards[i], lost=0.02)) is not None:
@@ -165,7 +169,8 @@ def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int
             len(keys), "distinct_states": len(true), "reward_mean": sum(rewards) / len(rewards),
             "value_mae": sum(e for e, _ in errors) / len(errors), "value_mae_intermediate": sum(middle) / max(
                 len(middle), 1), "vines": stats["vines"],
-            **{f"sign_accuracy_{k}": r / max(n, 1) for k, (r, n) in signs.items()}, "signed_steps": signs["vine"][1],
+            **{f"sign_accuracy_{k}": r / max(n, 1) for k, (r, n, _) in signs.items()},
+            **{f"sign_zero_{k}": z / max(n, 1) for k, (_, n, z) in signs.items()}, "signed_steps": signs["vine"][1],
             **{f"misplaced_{k}": m / max(t, 1e-12) for k, (m, t) in mass.items()},
             "wrong_with_decisive_state": len(shared), "decisive_at_prompt": 1 - len(past) / max(len(shared), 1),
             "decisive_state_shared": sum(s for s, _ in past) / max(len(past), 1),
@@ -174,8 +179,8 @@ def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int
 
 def diagnose_table(out: Path, settings: list[str]) -> str:
     """The diagnose.json of every setting that has one, a row each."""
-    lines = ["| setting | steps / response | distinct states | value MAE, K = 9 (intermediate) | sign accuracy, vine | "
-             "sign accuracy, grpo | advantage mass where none is due: vine | grpo | wrong responses decided at the "
+    lines = ["| setting | steps / response | distinct states | value MAE, K = 9 (intermediate) | sign accuracy, vine (of it 0) | "
+             "sign accuracy, grpo (of it 0) | advantage mass where none is due: vine | grpo | wrong responses decided at the "
              "prompt | decided later: another member shares the decisive state | ... and one of those is right |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for setting in settings:
@@ -183,7 +188,8 @@ def diagnose_table(out: Path, settings: list[str]) -> str:
             d = json.loads(path.read_text())
             lines.append(f"| {setting} | {d['steps_per_response']:.1f} | {d['distinct_states']} | "
                          f"{d['value_mae']:.3f} ({d['value_mae_intermediate']:.3f}) | "
-                         f"{d['sign_accuracy_vine']:.3f} | {d['sign_accuracy_grpo']:.3f} | {d['misplaced_vine']:.3f} | "
+                         f"{d['sign_accuracy_vine']:.3f} ({d['sign_zero_vine']:.3f}) | {d['sign_accuracy_grpo']:.3f} "
+                         f"({d['sign_zero_grpo']:.3f}) | {d['misplaced_vine']:.3f} | "
                          f"{d['misplaced_grpo']:.3f} | {d['decisive_at_prompt']:.2f} of "
                          f"{d['wrong_with_decisive_state']} | {d['decisive_state_shared']:.2f} | "
                          f"{d['decisive_state_right_sibling']:.2f} |")

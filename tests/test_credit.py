@@ -123,6 +123,6 @@ def test_diagnose_on_a_tiny_model_reports_every_figure_in_range(tmp_path):
     model = new_scratch_model(tmp_path / "m", chars=chars, layers=2, width=32, heads=2, seed=0)
     d = credit.diagnose(model, ops=2, filler=2, prompts=2, truth=4, seed=0)
     assert d["responses"] == 16 and d["distinct_states"] >= 2 and d["vines"] == 9 * d["distinct_states"]
-    for key in ("value_mae", "sign_accuracy_vine", "sign_accuracy_grpo", "misplaced_vine", "misplaced_grpo",
+    for key in ("value_mae", "sign_accuracy_vine", "sign_accuracy_grpo", "sign_zero_vine", "sign_zero_grpo", "misplaced_vine", "misplaced_grpo",
                 "decisive_at_prompt", "decisive_state_shared", "decisive_state_right_sibling", "reward_mean"):
         assert 0.0 <= d[key] <= 1.0, key
