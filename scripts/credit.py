@@ -241,7 +241,8 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
     for name, by_axis in slopes.items():
         n = by_axis["iteration"][2]
         far = ", ".join(axis for axis, (m, se, k) in by_axis.items() if k > 1 and abs(m) > 2 * se) or "none"
-        lines.append(f"| {name} | " + " | ".join(f"{m:+.4f} ± {se:.4f}" if k else "–" for m, se, k in by_axis.values())
+        lines.append(f"| {name} | " + " | ".join("–" if not k else f"{m:+.4f} ± {se:.4f}" if k > 1 else f"{m:+.4f} ± –"
+                                                 for m, se, k in by_axis.values())
                      + f" | {n} | {far} |")
     lines += ["", "Why, on each setting's SFT policy (`python -m scripts.credit --diagnose`):", "",
               diagnose_table(out, settings)]
