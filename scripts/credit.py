@@ -218,7 +218,8 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
         rows[setting] = {"ops": ops, "filler": filler, "sft_steps": sft["iteration"],
                          "sft_validation": sft.get("validation_accuracy"), "sft_test": sft["eval_accuracy"],
                          "seconds_per_iteration": cost,
-                         **{axis: mean_se(list(d.values())) + (len(d),) for axis, d in diffs[setting].items()}}
+                         **{axis: (mean_se(list(d.values())) if d else (float("nan"), float("nan"))) + (len(d),)
+                            for axis, d in diffs[setting].items()}}  # no pair yet: nan, 0 seeds
     lines = [f"SFT per setting: `sft.py` with the testbed's recipe and `--stop-at {STOP_AT}` (scripts/credit.py "
              "sft_settings); RL: the testbed's recipe, 30 iterations, with the task's flags (task_flags).", "",
              "| setting | L | F | SFT steps | SFT validation pass@1 | SFT test pass@1 | seeds | vine − grpo per iteration "
