@@ -25,7 +25,7 @@ from scripts.free_samples import ARMS as FREE_ARMS
 from scripts.free_samples import sample_groups, token_curve, true_values
 from scripts.plot import area, eval_curve, mean_se, pm
 from scripts.replicate import ESTIMATORS, sft_stage, this_machine
-from scripts.testbed import SFT_SETTINGS, done_runs, grid_choices, run_grid, sft_digest, summary
+from scripts.testbed import SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest, summary
 
 OUT = "runs/credit"  # the default output, ignored by git (the committed grid: --out results/credit)
 SETTINGS = {"chain-L2": (2, 0), "chain-L4": (4, 0), "chain-L6": (6, 0), "chain-L8": (8, 0),
@@ -283,14 +283,9 @@ def plot_credit(diffs: dict[str, dict[str, dict[int, float]]], path: Path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)}")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)} (critic, rloo, "
-                        "vine-free run at chain-L8 only)")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
-    parser.add_argument("--out", default=OUT, help=f"results folder (default {OUT}, outside git; the committed grid "
-                        "is written only when --out names it)")
-    parser.add_argument("--redraw", action="store_true", help="run nothing: summarize the finished runs")
+    grid_arguments(parser, arm="arm", arms=ARMS, out=OUT)  # --seeds, --arms, --jobs, --out, --redraw
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {list(SETTINGS)} "
+                        "(critic, rloo, vine-free run at chain-L8 only)")
     parser.add_argument("--sft-only", action="store_true", help="make the settings' SFT models, nothing else")
     parser.add_argument("--diagnose", action="store_true", help="run nothing else: diagnose (value error, sign "
                         "accuracy, shared states) on each setting's SFT policy into OUT/<setting>/diagnose.json")
