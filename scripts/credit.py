@@ -23,7 +23,7 @@ from pathlib import Path
 
 from scripts.free_samples import ARMS as FREE_ARMS
 from scripts.free_samples import sample_groups, token_curve, true_values
-from scripts.plot import area, eval_curve, mean_se, pm
+from scripts.plot import area, eval_curve, mean_se, pm, read_metrics
 from scripts.replicate import ESTIMATORS, sft_stage, this_machine
 from scripts.testbed import SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest, summary
 
@@ -209,7 +209,7 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
         summary(folder, started=started, extra=[*task_flags(ops, filler), *extra],
                 arms={a: ARMS[a] for a in arms_of(setting)}, sft_dir=folder / "sft",
                 sft_settings=sft_settings(ops, filler))
-        sft = [r for r in json_lines(folder / "sft" / "metrics.jsonl") if "eval_accuracy" in r][-1]
+        sft = [r for r in read_metrics(folder / "sft" / "metrics.jsonl") if "eval_accuracy" in r][-1]
         scores = per_seed(runs)
         diffs[setting] = {axis: {s: v - by_arm.get("grpo", {})[s] for s, v in by_arm.get("vine", {}).items()
                                  if s in by_arm.get("grpo", {})} for axis, by_arm in scores.items()}
@@ -252,10 +252,6 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
     (out / "results.json").write_text(json.dumps({"rows": rows, "slopes": slopes, "diffs": diffs}, indent=1))
     plot_credit(diffs, out / "credit.png")
     return text
-
-
-def json_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_credit(diffs: dict[str, dict[str, dict[int, float]]], path: Path):
