@@ -247,20 +247,27 @@ def half_cosine(first: torch.Tensor, both: torch.Tensor) -> float:
     return (first @ second / (first.norm() * second.norm()).clamp(min=1e-30)).item()
 
 
-def lr_factor(step: int, *, warmup: int, total: int, decay: bool = True) -> float:
-    """Linear warmup to 1 over `warmup` steps, then linear decay to 0 at `total` (or constant 1 without decay)."""
+def lr_factor(step: int, *, warmup: int, total: int, decay: bool = True, decay_steps: int = 0,
+              floor: float = 0.0) -> float:
+    """Linear warmup to 1 over `warmup` steps, then linear decay to `floor` at `total` (or constant 1 without decay).
+    decay_steps > 0: constant 1 until the last decay_steps steps, which decay (warmup-stable-decay)."""
     if step < warmup:
         return (step + 1) / warmup
-    return max(0.0, (total - step) / max(1, total - warmup)) if decay else 1.0
+    span = decay_steps or total - warmup
+    if not decay or step < total - span:
+        return 1.0
+    return floor + (1 - floor) * max(0.0, (total - step) / max(1, span))
 
 
 def make_optimizer(param_groups: list[dict], *, weight_decay: float, total_steps: int, warmup_ratio: float,
-                   decay: bool = True):
+                   decay: bool = True, decay_steps: int = 0, floor: float = 0.0):
     """AdamW (fused: one kernel for all parameters, bench/adamw.py) over fp32 master weights, and its schedule:
-    warmup over warmup_ratio x total_steps optimizer steps, then linear decay to 0 (or constant without decay)."""
+    warmup over warmup_ratio x total_steps optimizer steps, then linear decay to `floor` x lr (over the last
+    decay_steps steps if > 0), or constant without decay."""
     optimizer = torch.optim.AdamW(param_groups, weight_decay=weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, partial(lr_factor, warmup=math.ceil(warmup_ratio * total_steps), total=total_steps, decay=decay))
+        optimizer, partial(lr_factor, warmup=math.ceil(warmup_ratio * total_steps), total=total_steps, decay=decay,
+                           decay_steps=decay_steps, floor=floor))
     return optimizer, scheduler
 
 

@@ -66,6 +66,9 @@ class SFTConfig:
     lr: float = arg(1e-5, "AdamW peak learning rate (official: 1e-5 for the 1.1B model, 5e-5 for 7B)")
     warmup_ratio: float = arg(0.03, "fraction of optimizer steps spent warming up, then linear decay to 0")
     lr_decay: bool = arg(True, "decay the learning rate linearly to 0 after warmup (--no-lr-decay: constant)")
+    decay_steps: int = arg(0, "decay over the last this many steps only, constant before (warmup-stable-decay); 0: "
+                              "over every step after warmup")
+    lr_floor: float = arg(0.0, "the decay ends at this fraction of --lr instead of 0")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     batch_size: int | None = arg(None, "instances per optimizer step (official: 64; CPU default: 16)")
@@ -147,6 +150,9 @@ def parse_sft_config(argv=None) -> SFTConfig:
         parser.error(f"--threads must be 0 (torch's default) or above (got {cfg.threads})")
     if not cfg.lr > 0:
         parser.error(f"--lr must be above 0 (got {cfg.lr})")
+    if cfg.decay_steps < 0 or not 0 <= cfg.lr_floor <= 1:
+        parser.error(f"--decay-steps must be 0 or above and --lr-floor in [0, 1] (got {cfg.decay_steps}, "
+                     f"{cfg.lr_floor})")
     if not 0 <= cfg.warmup_ratio < 1:
         parser.error(f"--warmup-ratio must be in [0, 1) (got {cfg.warmup_ratio})")
     check_sampling_and_resume(parser, cfg)
@@ -340,7 +346,8 @@ def main(cfg: SFTConfig):
     scorer = dist.wrap(Scorer(policy, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun; before AdamW
     optimizer, scheduler = make_optimizer([{"params": policy.parameters(), "lr": cfg.lr}],
                                           weight_decay=cfg.weight_decay, total_steps=total,
-                                          warmup_ratio=cfg.warmup_ratio, decay=cfg.lr_decay)
+                                          warmup_ratio=cfg.warmup_ratio, decay=cfg.lr_decay,
+                                          decay_steps=cfg.decay_steps, floor=cfg.lr_floor)
     start, train_seconds, rng = 0, 0.0, random.Random(cfg.seed)  # rng: unused, kept for checkpoint.py's format
     if state:
         start, train_seconds = restore(state, scorer=scorer, optimizer=optimizer, scheduler=scheduler, rng=rng,

@@ -41,6 +41,10 @@ def test_bad_flags_are_one_line_errors(argv, capsys):
 def test_lr_schedule():
     assert [round(lr_factor(s, warmup=2, total=6), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
     assert [lr_factor(s, warmup=2, total=6, decay=False) for s in range(7)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # warmup-stable-decay: constant until the last 2 steps; a floor: the decay ends at 0.2, not 0
+    assert [lr_factor(s, warmup=2, total=6, decay_steps=2) for s in range(7)] == [0.5, 1.0, 1.0, 1.0, 1.0, 0.5, 0.0]
+    assert [round(lr_factor(s, warmup=2, total=6, floor=0.2), 3) for s in range(7)] == [0.5, 1.0, 1.0, 0.8, 0.6,
+                                                                                         0.4, 0.2]
 
 
 def test_evaluation_on_the_clock():
