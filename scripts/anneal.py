@@ -44,7 +44,7 @@ def schedule(start: str, *, match: float | None = None) -> tuple[str | None, int
     """Where a start resumes from (None: fresh; else the start whose checkpoint it copies), that checkpoint's step,
     and its sft.py flags after SFT_SETTINGS. match: decay's validation pass@1, for constant."""
     def total(steps: int) -> list[str]:  # the warmup stays WARMUP steps whatever the total
-        return ["--max-steps", str(steps), "--warmup-ratio", f"{WARMUP / steps:.6f}"]
+        return ["--max-steps", str(steps), "--warmup-ratio", repr(WARMUP / steps)]
     decay = ["--lr-decay", "--decay-steps", str(TAIL)]
     return {"trunk": (None, 0, [*total(TRUNK), "--no-lr-decay"]),
             "decay": ("trunk", TRUNK, [*total(TRUNK + TAIL), *decay]),
