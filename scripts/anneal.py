@@ -25,7 +25,9 @@ import shutil
 import time
 from pathlib import Path
 
-from scripts.anneal_probes import probe
+import torch
+
+from scripts.anneal_probes import VERSION, probe
 from scripts.plot import mean_se, pm, read_metrics
 from scripts.replicate import ESTIMATORS, sft_stage, this_machine
 from scripts.testbed import EVAL_EVERY, SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest
@@ -36,8 +38,8 @@ STARTS = ("decay", "floor", "rewarm", "constant")  # RL starts from these; the t
 ARMS = {"grpo": ESTIMATORS["grpo"], "vine": ESTIMATORS["vine"], "grpo-lr2e-5": [*ESTIMATORS["grpo"], "--lr", "2e-5"]}
 LOW_LR_STARTS = ("decay", "constant")  # where grpo-lr2e-5 runs
 SHOWN = ("val_pass", "gold_loss", "sharpness", "random_0.003_loss", "random_0.003_pass", "pg_0.0004_loss",
-         "pg_0.0004_pass", "pg_0.001_pass", "pg_norm", "pg_half_cosine", "pg_sft_cosine", "reward", "mixed_groups",
-         "entropy")
+         "pg_0.0004_pass", "pg_0.001_pass", "pgsgd_0.0004_loss", "pgsgd_0.0004_pass", "pg_norm", "pg_half_cosine",
+         "pg_sft_cosine", "reward", "mixed_groups", "entropy")
 
 
 def schedule(start: str, *, match: float | None = None) -> tuple[str | None, int, list[str]]:
@@ -84,7 +86,7 @@ def probed(out: Path, start: str, seed: int) -> dict:
     """probe.json of OUT/<start>-s<seed>, measured now if missing or made from other weights."""
     folder = out / f"{start}-s{seed}"
     digest, path = sft_digest(folder / "sft"), folder / "probe.json"
-    if path.exists() and json.loads(path.read_text()).get("sft_sha256") == digest:
+    if path.exists() and [json.loads(path.read_text()).get(k) for k in ("sft_sha256", "version")] == [digest, VERSION]:
         return json.loads(path.read_text())
     t0 = time.perf_counter()
     result = {"sft_sha256": digest, **probe(str(folder / "sft"), seed=seed)}
@@ -191,6 +193,7 @@ def main():
     arms, seeds = grid_choices(args, arm="arm", arms=ARMS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # the probes: a tiny model, beside another single-thread job (as the runs)
     if not args.redraw:
         for seed in seeds:
             for start in ("trunk", *STARTS):

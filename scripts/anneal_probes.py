@@ -7,12 +7,14 @@ why RL cannot lift an annealed start). Each is a candidate cause, measured the s
 - the policy gradient: grpo's gradient on 8 samples of PROMPTS train problems (T 0.6, top-p 0.9, as train.py), its
   size, how much its two halves (by prompt) agree, its cosine with the SFT direction (minus the gold loss's gradient
   on the same problems), and what a sign step of eta along it does to greedy pass@1 and to the gold loss (Adam's
-  first step is such a step: lr x the sign of the gradient on every weight);
+  first step is such a step: lr x the sign of the gradient on every weight), and a step of the same length along
+  the gradient itself (SGD's direction: "pgsgd");
 - the groups: mean reward, the share of groups with mixed outcomes (the only ones grpo learns from), the mean
   per-prompt p (1 - p), and the policy's entropy and log-prob on its own samples.
 
 Shapes: B = instances, R = response (or target) tokens, N = the model's parameters, flattened.
 """
+import itertools
 import math
 import random
 from types import SimpleNamespace
@@ -32,6 +34,7 @@ PROMPTS, GROUP, VALIDATION, GOLD = 128, 8, 200, 512
 # A weight's move: one Adam step at the testbed's RL lr 5e-5 moves each weight by ~5e-5, an iteration's 8 by up to 4e-4.
 # Random directions are far flatter (a step of 1e-3 barely moves the loss), so they are probed further out.
 PG_ETAS, RANDOM_ETAS, DRAWS = (1e-4, 4e-4, 1e-3), (1e-3, 3e-3), 2
+VERSION = 2  # probe.json of another version is measured again (2: the SGD-direction step added)
 
 
 def group_stats(rewards: list[float], *, group: int) -> dict:
@@ -170,10 +173,13 @@ def probe(model_dir: str, *, seed: int) -> dict:
     sft_direction = -flat_grad(model, gold_loss(scorer, [(encode(e), tokenizer(
         e["solution"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]) for e in examples], pad_id=pad))
     out.update(pg_norm=float(pg.norm()), pg_half_cosine=cosine(*gradients), pg_sft_cosine=cosine(pg, sft_direction))
-    for eta in PG_ETAS:
-        add_(model, torch.sign(pg), eta)
+    # (N,) each: Adam's first step, and SGD's direction scaled to the same length
+    steps = {"pg": torch.sign(pg), "pgsgd": pg * math.sqrt(n) / pg.norm().clamp(min=1e-30)}
+    for (kind, direction), eta in itertools.product(steps.items(), PG_ETAS):
+        add_(model, direction, eta)
         with torch.no_grad():
-            out[f"pg_{eta:g}_loss"] = float(gold_loss(scorer, gold, pad_id=pad)) - out["gold_loss"]
-        out[f"pg_{eta:g}_pass"] = val_pass() - out["val_pass"]
-        add_(model, torch.sign(pg), -eta)
-    return {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v) for k, v in out.items()}
+            out[f"{kind}_{eta:g}_loss"] = float(gold_loss(scorer, gold, pad_id=pad)) - out["gold_loss"]
+        out[f"{kind}_{eta:g}_pass"] = val_pass() - out["val_pass"]
+        add_(model, direction, -eta)
+    return {"version": VERSION, **{k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+                                   for k, v in out.items()}}

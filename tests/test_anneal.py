@@ -101,8 +101,9 @@ def test_probe_on_a_tiny_model_reports_every_figure(tmp_path, monkeypatch):
         assert 0.0 <= out[key] <= 1.0, key
     assert out["gold_loss"] > 1.0  # a random model over ~20 characters: ~log 20 a token
     assert out["sharpness"] > 0 and out["pg_norm"] >= 0 and out["entropy"] > 0
-    for eta in (*anneal_probes.RANDOM_ETAS, *anneal_probes.PG_ETAS):
-        kind = "random" if eta in anneal_probes.RANDOM_ETAS else "pg"
+    steps = [("random", eta) for eta in anneal_probes.RANDOM_ETAS] + [
+        (kind, eta) for kind in ("pg", "pgsgd") for eta in anneal_probes.PG_ETAS]
+    for kind, eta in steps:
         assert math.isfinite(out[f"{kind}_{eta:g}_loss"]) and -1 <= out[f"{kind}_{eta:g}_pass"] <= 1
 
 
