@@ -38,7 +38,8 @@ STARTS = ("decay", "floor", "rewarm", "constant")  # RL starts from these; the t
 ARMS = {"grpo": ESTIMATORS["grpo"], "vine": ESTIMATORS["vine"], "grpo-lr2e-5": [*ESTIMATORS["grpo"], "--lr", "2e-5"]}
 LOW_LR_STARTS = ("decay", "constant")  # where grpo-lr2e-5 runs
 SHOWN = ("val_pass", "gold_loss", "sharpness", "random_0.003_loss", "random_0.003_pass", "pg_0.0004_loss",
-         "pg_0.0004_pass", "pg_0.001_pass", "pgsgd_0.0004_loss", "pgsgd_0.0004_pass", "pg_norm", "pg_half_cosine",
+         "pg_0.0004_pass", "pg_0.001_pass", "pgsgd_0.0004_loss", "pgsgd_0.0004_pass", "pg_slope", "pg_curvature",
+         "pg_best_eta", "pgsgd_slope", "pgsgd_curvature", "pgsgd_best_eta", "pg_norm", "pg_half_cosine",
          "pg_sft_cosine", "reward", "mixed_groups", "entropy")
 
 

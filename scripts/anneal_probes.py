@@ -8,7 +8,8 @@ why RL cannot lift an annealed start). Each is a candidate cause, measured the s
   size, how much its two halves (by prompt) agree, its cosine with the SFT direction (minus the gold loss's gradient
   on the same problems), and what a sign step of eta along it does to greedy pass@1 and to the gold loss (Adam's
   first step is such a step: lr x the sign of the gradient on every weight), and a step of the same length along
-  the gradient itself (SGD's direction: "pgsgd");
+  the gradient itself (SGD's direction: "pgsgd"); and the gold loss along each direction to second order: its slope,
+  its curvature, and the step (eta) at the quadratic's bottom;
 - the groups: mean reward, the share of groups with mixed outcomes (the only ones grpo learns from), the mean
   per-prompt p (1 - p), and the policy's entropy and log-prob on its own samples.
 
@@ -34,7 +35,7 @@ PROMPTS, GROUP, VALIDATION, GOLD = 128, 8, 200, 512
 # A weight's move: one Adam step at the testbed's RL lr 5e-5 moves each weight by ~5e-5, an iteration's 8 by up to 4e-4.
 # Random directions are far flatter (a step of 1e-3 barely moves the loss), so they are probed further out.
 PG_ETAS, RANDOM_ETAS, DRAWS = (1e-4, 4e-4, 1e-3), (1e-3, 3e-3), 2
-VERSION = 2  # probe.json of another version is measured again (2: the SGD-direction step added)
+VERSION = 3  # probe.json of another version is measured again (2: the SGD-direction step; 3: the loss along each)
 
 
 def group_stats(rewards: list[float], *, group: int) -> dict:
@@ -97,20 +98,35 @@ def pg_loss(scorer, prompts, responses, advantages: list[float], *, pad_id: int)
     return total / tokens
 
 
-def top_eigenvalue(model, loss_fn, *, iters: int = 12, eps: float = 1e-2, seed: int = 0) -> float:
-    """The largest eigenvalue of loss_fn()'s Hessian by power iteration, H v from two gradients at +-eps v (unit v)."""
+def hvp(model, loss_fn, v: torch.Tensor, *, eps: float = 1e-2) -> torch.Tensor:
+    """The Hessian of loss_fn() times the unit vector v (N,), from two gradients at +-eps v (the weights put back)."""
+    add_(model, v, eps)
+    plus = flat_grad(model, loss_fn())
+    add_(model, v, -2 * eps)
+    minus = flat_grad(model, loss_fn())
+    add_(model, v, eps)
+    return (plus - minus) / (2 * eps)  # (N,)
+
+
+def top_eigenvalue(model, loss_fn, *, iters: int = 12, seed: int = 0) -> float:
+    """The largest eigenvalue of loss_fn()'s Hessian, by power iteration."""
     v = torch.randn(sum(p.numel() for p in model.parameters()), generator=torch.Generator().manual_seed(seed))
     v, value = v / v.norm(), 0.0
     for _ in range(iters):
-        add_(model, v, eps)
-        plus = flat_grad(model, loss_fn())
-        add_(model, v, -2 * eps)
-        minus = flat_grad(model, loss_fn())
-        add_(model, v, eps)
-        hv = (plus - minus) / (2 * eps)  # (N,)
+        hv = hvp(model, loss_fn, v)  # (N,)
         value = float(v @ hv)
         v = hv / hv.norm()
     return value
+
+
+def along(model, loss_fn, direction: torch.Tensor) -> dict:
+    """The loss along a direction (N,), to second order: its slope and curvature per unit length, and the step length
+    (in the direction's own units, x its length) that the quadratic puts at the bottom (inf: no bottom)."""
+    v = direction / direction.norm().clamp(min=1e-30)
+    slope = float(flat_grad(model, loss_fn()) @ v)
+    curvature = float(v @ hvp(model, loss_fn, v))
+    best = -slope / curvature if curvature > 0 else math.inf
+    return {"slope": slope, "curvature": curvature, "best_eta": best / float(direction.norm().clamp(min=1e-30))}
 
 
 def probe(model_dir: str, *, seed: int) -> dict:
@@ -175,6 +191,8 @@ def probe(model_dir: str, *, seed: int) -> dict:
     out.update(pg_norm=float(pg.norm()), pg_half_cosine=cosine(*gradients), pg_sft_cosine=cosine(pg, sft_direction))
     # (N,) each: Adam's first step, and SGD's direction scaled to the same length
     steps = {"pg": torch.sign(pg), "pgsgd": pg * math.sqrt(n) / pg.norm().clamp(min=1e-30)}
+    for kind, direction in steps.items():  # the gold loss along each, to second order
+        out.update({f"{kind}_{k}": v for k, v in along(model, loss_fn, direction).items()})
     for (kind, direction), eta in itertools.product(steps.items(), PG_ETAS):
         add_(model, direction, eta)
         with torch.no_grad():

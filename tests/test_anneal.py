@@ -27,6 +27,10 @@ def test_top_eigenvalue_of_a_quadratic():
     value = anneal_probes.top_eigenvalue(model, lambda: 0.5 * (curvature * model.x ** 2).sum(), iters=40)
     assert value == pytest.approx(5.0, rel=1e-3)
     assert torch.allclose(model.x, torch.tensor([0.3, -0.2, 0.1, 0.5]))  # the weights are put back
+    # along x2 (curvature 5, slope 5 x -0.2 = -1) the bottom is 0.2 away; a direction of length 2: eta 0.1
+    line = anneal_probes.along(model, lambda: 0.5 * (curvature * model.x ** 2).sum(), torch.tensor([0.0, 2.0, 0, 0]))
+    assert line["slope"] == pytest.approx(-1.0, rel=1e-4) and line["curvature"] == pytest.approx(5.0, rel=1e-4)
+    assert line["best_eta"] == pytest.approx(0.1, rel=1e-4)
 
 
 def test_each_tail_has_its_schedule_after_the_shared_trunk():
@@ -101,6 +105,7 @@ def test_probe_on_a_tiny_model_reports_every_figure(tmp_path, monkeypatch):
         assert 0.0 <= out[key] <= 1.0, key
     assert out["gold_loss"] > 1.0  # a random model over ~20 characters: ~log 20 a token
     assert out["sharpness"] > 0 and out["pg_norm"] >= 0 and out["entropy"] > 0
+    assert {"pg_slope", "pg_curvature", "pg_best_eta", "pgsgd_slope", "pgsgd_curvature", "pgsgd_best_eta"} <= set(out)
     steps = [("random", eta) for eta in anneal_probes.RANDOM_ETAS] + [
         (kind, eta) for kind in ("pg", "pgsgd") for eta in anneal_probes.PG_ETAS]
     for kind, eta in steps:
