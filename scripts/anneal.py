@@ -59,7 +59,8 @@ def schedule(start: str, *, match: float | None = None) -> tuple[str | None, int
 
 def copy_checkpoint(source: Path, target: Path, *, step: int):
     """Seed target (an SFT folder) with source's checkpoint at `step` and its metrics, for sft.py --resume; nothing
-    happens if target already holds a checkpoint or a final model."""
+    happens if target already holds a checkpoint or a final model. `latest` is written last: a copy cut short is
+    redone."""
     if (target / "latest").exists() or (target / "config.json").exists():
         return
     name = f"ckpt-{step:06d}"
@@ -92,7 +93,8 @@ def probed(out: Path, start: str, seed: int) -> dict:
     t0 = time.perf_counter()
     result = {"sft_sha256": digest, **probe(str(folder / "sft"), seed=seed)}
     result["seconds"] = round(time.perf_counter() - t0, 1)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".tmp").write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".tmp").replace(path)  # whole or not at all: a kill leaves no half-written probe
     print(f"{folder}: probed in {result['seconds']:.0f} s: {json.dumps(result)}", flush=True)
     return result
 

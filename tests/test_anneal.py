@@ -57,6 +57,8 @@ def test_a_tail_starts_from_a_copy_of_its_parents_checkpoint(tmp_path):
     (source / "ckpt-000200").mkdir(parents=True)
     (source / "ckpt-000200" / "trainer_state.pt").write_text("state")
     (source / "metrics.jsonl").write_text('{"iteration": 200}\n')
+    (target / "ckpt-000200").mkdir(parents=True)  # a copy killed before its end: no `latest` yet
+    (target / "ckpt-000200" / "trainer_state.pt").write_text("st")
     anneal.copy_checkpoint(source, target, step=200)
     assert (target / "latest").read_text() == "ckpt-000200"
     assert (target / "ckpt-000200" / "trainer_state.pt").read_text() == "state"
