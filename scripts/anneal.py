@@ -15,7 +15,8 @@ resumed from a copy of a checkpoint (sft.py --resume applies a changed schedule 
                MATCH_EVERY steps, at most MATCH_MAX): a start of decay's pass@1 that never decayed
 OUT/<start>-s<s> holds sft/, probe.json (scripts.anneal_probes, bound to the model's sha256) and the RL runs
 <arm>-s<s>: the testbed's RL recipe (scripts/testbed.py SETTINGS: 64 x 8, lr 5e-5, 30 iterations), grpo and vine
-from every start, grpo at lr 2e-5 from decay and constant. Runs go seed by seed, `--jobs` at a time.
+from every start, grpo at lr 2e-5 and 5e-6 from decay and constant. The grpo arms run seed by seed, then vine,
+`--jobs` at a time.
 OUT/results.md, results.json, anneal.png: the starts' probes and RL's gain from each, mean +- SE over seeds, paired
 with decay by seed.
 """
@@ -35,8 +36,9 @@ from scripts.testbed import EVAL_EVERY, SFT_SETTINGS, done_runs, grid_arguments,
 OUT = "runs/anneal"  # the default output, ignored by git (the committed grid: --out results/anneal)
 WARMUP, TRUNK, TAIL, REWARM, FLOOR, MATCH_EVERY, MATCH_MAX = 100, 200, 100, 25, 0.1, 5, 400
 STARTS = ("decay", "floor", "rewarm", "constant")  # RL starts from these; the trunk is probed as well
-ARMS = {"grpo": ESTIMATORS["grpo"], "vine": ESTIMATORS["vine"], "grpo-lr2e-5": [*ESTIMATORS["grpo"], "--lr", "2e-5"]}
-LOW_LR_STARTS = ("decay", "constant")  # where grpo-lr2e-5 runs
+ARMS = {"grpo": ESTIMATORS["grpo"], "grpo-lr2e-5": [*ESTIMATORS["grpo"], "--lr", "2e-5"],
+        "grpo-lr5e-6": [*ESTIMATORS["grpo"], "--lr", "5e-6"], "vine": ESTIMATORS["vine"]}
+LOW_LR_STARTS = ("decay", "constant")  # where the lower lrs run
 SHOWN = ("val_pass", "gold_loss", "sharpness", "random_0.003_loss", "random_0.003_pass", "pg_0.0004_loss",
          "pg_0.0004_pass", "pg_0.001_pass", "pgsgd_0.0004_loss", "pgsgd_0.0004_pass", "pg_slope", "pg_curvature",
          "pg_best_eta", "pgsgd_slope", "pgsgd_curvature", "pgsgd_best_eta", "pg_norm", "pg_half_cosine",
@@ -100,9 +102,12 @@ def probed(out: Path, start: str, seed: int) -> dict:
 
 
 def plan(seeds: list[int], arms: list[str]) -> list[tuple[str, str, int]]:
-    """The RL cells (start, arm, seed), seed by seed: each arm from every start (grpo-lr2e-5 from LOW_LR_STARTS)."""
-    return [(start, arm, seed) for seed in seeds for arm in arms for start in STARTS
-            if arm != "grpo-lr2e-5" or start in LOW_LR_STARTS]
+    """The RL cells (start, arm, seed): the grpo arms seed by seed (each from every start, the lower lrs from
+    LOW_LR_STARTS), then vine seed by seed."""
+    order = [(seed, arm) for seed in seeds for arm in arms if arm != "vine"] + [(seed, "vine") for seed in seeds
+                                                                                if "vine" in arms]
+    return [(start, arm, seed) for seed, arm in order for start in STARTS
+            if not arm.startswith("grpo-lr") or start in LOW_LR_STARTS]
 
 
 def sft_record(folder: Path) -> dict:

@@ -87,11 +87,12 @@ def test_a_resumed_tail_takes_its_new_schedule_from_the_saved_step(tmp_path):
     assert (tmp_path / "decay" / "config.json").exists()
 
 
-def test_the_plan_runs_low_lr_grpo_from_decay_and_constant_only():
-    cells = anneal.plan([0, 1], ["grpo", "grpo-lr2e-5"])
+def test_the_plan_runs_grpo_seed_by_seed_then_vine_and_the_low_lrs_from_decay_and_constant_only():
+    cells = anneal.plan([0, 1], ["grpo", "grpo-lr5e-6", "vine"])
     assert cells[:4] == [(s, "grpo", 0) for s in anneal.STARTS]
-    assert cells[4:6] == [("decay", "grpo-lr2e-5", 0), ("constant", "grpo-lr2e-5", 0)]
-    assert len(cells) == 12 and cells[6] == ("decay", "grpo", 1)
+    assert cells[4:6] == [("decay", "grpo-lr5e-6", 0), ("constant", "grpo-lr5e-6", 0)]
+    assert cells[6] == ("decay", "grpo", 1) and cells[12:16] == [(s, "vine", 0) for s in anneal.STARTS]
+    assert len(cells) == 20
 
 
 def test_probe_on_a_tiny_model_reports_every_figure(tmp_path, monkeypatch):
