@@ -125,10 +125,13 @@ def gains(records: list[dict]) -> dict:
 
 
 def cell(values: dict[int, float], base: dict[int, float] | None = None) -> str:
-    """mean +- SE over seeds; with base, the paired difference to it (seeds both have)."""
+    """mean +- SE over seeds, to 3 significant digits; with base, the paired difference to it (seeds both have)."""
     if base is not None:
         values = {s: v - base[s] for s, v in values.items() if s in base}
-    return pm(*mean_se(list(values.values())), len(values), signed=base is not None) if values else "–"
+    if not values:
+        return "–"
+    mean, se = mean_se(list(values.values()))
+    return f"{mean:{'+' if base is not None else ''}.3g} ± {se:.2g}" if len(values) > 1 else f"{mean:.3g} ± –"
 
 
 def summary(out: Path, seeds: list[int]) -> str:
@@ -142,15 +145,15 @@ def summary(out: Path, seeds: list[int]) -> str:
             runs, _ = done_runs(out / f"{s}-s{seed}", arms=ARMS, start=sft_digest(out / f"{s}-s{seed}" / "sft"))
             for arm, by_seed in runs.items():
                 rl.setdefault(arm, {}).setdefault(s, {})[seed] = {**gains(by_seed[seed]), "records": by_seed[seed]}
-    keys = ["steps", "test_pass", *SHOWN]
-    lines = ["## The starts (mean ± SE over seeds; the second line of each: paired start − decay)", "",
-             "| start | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 1)]
-    for s, by_seed in starts.items():
-        if by_seed:
-            lines.append(f"| {s} | " + " | ".join(cell({k: v[key] for k, v in by_seed.items()}) for key in keys) + " |")
-            if s != "decay" and starts["decay"]:
-                lines.append(f"| {s} − decay | " + " | ".join(cell({k: v[key] for k, v in by_seed.items()},
-                             {k: v[key] for k, v in starts["decay"].items()}) for key in keys) + " |")
+    keys, shown = ["steps", "test_pass", *SHOWN], [s for s, by_seed in starts.items() if by_seed]
+    paired = [s for s in shown if s not in ("trunk", "decay")] if starts["decay"] else []
+    lines = ["## The starts (mean ± SE over seeds; then each start − decay, paired by seed)", "",
+             "| quantity | " + " | ".join(shown) + " | " + " | ".join(f"{s} − decay" for s in paired) + " |",
+             "|" + " --- |" * (1 + len(shown) + len(paired))]
+    for key in keys:
+        values = {s: {seed: v[key] for seed, v in starts[s].items()} for s in shown}
+        lines.append(f"| {key} | " + " | ".join(cell(values[s]) for s in shown) + " | " +
+                     " | ".join(cell(values[s], values["decay"]) for s in paired) + " |")
     lines += ["", "## RL from each start (pass@1 on 500 test problems, greedy)", "",
               "| arm | start | seeds | pass@1 at iteration 0 | mean of later evaluations − start | end − start | "
               "mean gain − decay's (paired) |", "| --- | --- | --- | --- | --- | --- | --- |"]

@@ -136,7 +136,7 @@ def test_the_summary_pairs_each_start_with_decay_by_seed(tmp_path):
     text = anneal.summary(tmp_path, [0, 1])
     row = next(line for line in text.splitlines() if line.startswith("| grpo | constant |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
-    assert cells[2] == "2" and cells[4].startswith("0.120") and cells[6].startswith("+0.110")
+    assert cells[2] == "2" and cells[4].startswith("0.12 ±") and cells[6].startswith("+0.11 ±")
     assert json.loads((tmp_path / "results.json").read_text())["rl"]["grpo"]["constant"]["1"]["mean_gain"] == \
         pytest.approx(0.14)
     assert (tmp_path / "anneal.png").exists()
