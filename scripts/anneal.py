@@ -130,8 +130,8 @@ def cell(values: dict[int, float], base: dict[int, float] | None = None) -> str:
         values = {s: v - base[s] for s, v in values.items() if s in base}
     if not values:
         return "–"
-    mean, se = mean_se(list(values.values()))
-    return f"{mean:{'+' if base is not None else ''}.3g} ± {se:.2g}" if len(values) > 1 else f"{mean:.3g} ± –"
+    (mean, se), sign = mean_se(list(values.values())), "+" if base is not None else ""
+    return f"{mean:{sign}.3g} ± {se:.2g}" if len(values) > 1 else f"{mean:{sign}.3g} ± –"
 
 
 def summary(out: Path, seeds: list[int]) -> str:
