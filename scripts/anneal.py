@@ -78,7 +78,8 @@ def make_start(out: Path, start: str, seed: int) -> Path:
     """The start's SFT model for this seed (made once; a cut one resumes), its sha256 in model.sha256, and its
     probe.json; returns its folder (OUT/<start>-s<seed>)."""
     folder = out / f"{start}-s{seed}"
-    source, step, flags = schedule(start, match=start == "constant" and probed(out, "decay", seed)["val_pass"])
+    match = probed(out, "decay", seed)["val_pass"] if start == "constant" else None
+    source, step, flags = schedule(start, match=match)
     if source is not None:
         copy_checkpoint(make_start(out, source, seed) / "sft", folder / "sft", step=step)
     sft_stage(folder, settings=[*SFT_SETTINGS, "--seed", str(seed), *flags])
@@ -90,8 +91,9 @@ def probed(out: Path, start: str, seed: int) -> dict:
     """probe.json of OUT/<start>-s<seed>, measured now if missing or made from other weights."""
     folder = out / f"{start}-s{seed}"
     digest, path = sft_digest(folder / "sft"), folder / "probe.json"
-    if path.exists() and [json.loads(path.read_text()).get(k) for k in ("sft_sha256", "version")] == [digest, VERSION]:
-        return json.loads(path.read_text())
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if [saved.get("sft_sha256"), saved.get("version")] == [digest, VERSION]:
+        return saved
     t0 = time.perf_counter()
     result = {"sft_sha256": digest, **probe(str(folder / "sft"), seed=seed)}
     result["seconds"] = round(time.perf_counter() - t0, 1)

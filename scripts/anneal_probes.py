@@ -145,13 +145,23 @@ def probe(model_dir: str, *, seed: int) -> dict:
     def encode(e):
         return encode_prompt(e["question"], grader="chain", tokenizer=tokenizer, prompt_format="plain")
 
-    gold = [(encode(e), tokenizer(e["solution"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
-            for e in load_split("chain", "validation", arith_ops=4)[VALIDATION:VALIDATION + GOLD]]
+    def gold_pair(e) -> tuple[list, list]:  # (prompt ids, target ids): sft.py's target, the solution then EOS
+        return encode(e), tokenizer(e["solution"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+    def after_step(direction: torch.Tensor, eta: float) -> tuple[float, float]:
+        """The change in gold loss and in greedy validation pass@1 after a step of eta x direction (then undone)."""
+        add_(model, direction, eta)
+        with torch.no_grad():
+            loss = float(gold_loss(scorer, gold, pad_id=pad)) - out["gold_loss"]
+        passed = val_pass() - out["val_pass"]
+        add_(model, direction, -eta)
+        return loss, passed
+
+    gold = [gold_pair(e) for e in load_split("chain", "validation", arith_ops=4)[VALIDATION:VALIDATION + GOLD]]
     loss_fn = lambda: gold_loss(scorer, gold[:256], pad_id=pad)  # noqa: E731
     out = {"val_pass": val_pass()}
-    with torch.no_grad():
-        out["gold_loss"] = float(gold_loss(scorer, gold, pad_id=pad))
-    out["gold_grad_norm"] = float(flat_grad(model, gold_loss(scorer, gold, pad_id=pad)).norm())
+    loss = gold_loss(scorer, gold, pad_id=pad)
+    out["gold_loss"], out["gold_grad_norm"] = float(loss.detach()), float(flat_grad(model, loss).norm())
     out["sharpness"] = top_eigenvalue(model, loss_fn, seed=seed)
     n = sum(p.numel() for p in model.parameters())
     generator = torch.Generator().manual_seed(seed)
@@ -159,11 +169,9 @@ def probe(model_dir: str, *, seed: int) -> dict:
         losses, passes = [], []
         for _ in range(DRAWS):
             direction = torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1  # (N,) +-1
-            add_(model, direction, eta)
-            with torch.no_grad():
-                losses.append(float(gold_loss(scorer, gold, pad_id=pad)) - out["gold_loss"])
-            passes.append(val_pass() - out["val_pass"])
-            add_(model, direction, -eta)
+            loss, passed = after_step(direction, eta)
+            losses.append(loss)
+            passes.append(passed)
         out[f"random_{eta:g}_loss"], out[f"random_{eta:g}_pass"] = sum(losses) / DRAWS, sum(passes) / DRAWS
     # the groups and grpo's gradient on them
     examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=4), PROMPTS)
@@ -186,18 +194,13 @@ def probe(model_dir: str, *, seed: int) -> dict:
     gradients = [-flat_grad(model, pg_loss(scorer, [p for p, _, _ in rows[a:b]], responses[a:b], advantages[a:b],
                                            pad_id=pad)) for a, b in ((0, half), (half, len(rows)))]  # ascent on J
     pg = (gradients[0] + gradients[1]) / 2  # (N,)
-    sft_direction = -flat_grad(model, gold_loss(scorer, [(encode(e), tokenizer(
-        e["solution"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]) for e in examples], pad_id=pad))
+    sft_direction = -flat_grad(model, gold_loss(scorer, [gold_pair(e) for e in examples], pad_id=pad))
     out.update(pg_norm=float(pg.norm()), pg_half_cosine=cosine(*gradients), pg_sft_cosine=cosine(pg, sft_direction))
     # (N,) each: Adam's first step, and SGD's direction scaled to the same length
     steps = {"pg": torch.sign(pg), "pgsgd": pg * math.sqrt(n) / pg.norm().clamp(min=1e-30)}
     for kind, direction in steps.items():  # the gold loss along each, to second order
         out.update({f"{kind}_{k}": v for k, v in along(model, loss_fn, direction).items()})
     for (kind, direction), eta in itertools.product(steps.items(), PG_ETAS):
-        add_(model, direction, eta)
-        with torch.no_grad():
-            out[f"{kind}_{eta:g}_loss"] = float(gold_loss(scorer, gold, pad_id=pad)) - out["gold_loss"]
-        out[f"{kind}_{eta:g}_pass"] = val_pass() - out["val_pass"]
-        add_(model, direction, -eta)
+        out[f"{kind}_{eta:g}_loss"], out[f"{kind}_{eta:g}_pass"] = after_step(direction, eta)
     return {"version": VERSION, **{k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
                                    for k, v in out.items()}}
