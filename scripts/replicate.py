@@ -1,6 +1,7 @@
 """One-command laptop replication on `arith`: estimators x seeds, identical settings, the same training wall-clock.
 
     python -m scripts.replicate --pipeline --budget 1200 --seeds 0,1,2,3      (the paper's pipeline: SFT, then RL)
+    python -m scripts.replicate --pipeline --no-sft-lr-decay --budget 900 --seeds 0,1,2,3   (SFT at a constant lr)
     python -m scripts.replicate --budget 1200 --seeds 0,1,2 --out results/replication      (one-operation arith, no SFT)
 
 --pipeline is the paper's setting at laptop scale: the instruct model is first fine-tuned on the worked solutions of
@@ -113,6 +114,10 @@ def sft_stage(out: Path, *, settings: list[str] = SFT_SETTINGS) -> tuple[Path, s
     (resumed if it was cut off); returns its folder and the sha256 of its weights (what each cell records, and its
     block must share)."""
     sft_dir = out / "sft"
+    decays = "--no-lr-decay" not in settings
+    if (sft_dir / "metrics.jsonl").exists() and ended_decayed(sft_dir / "metrics.jsonl") not in (None, decays):
+        raise SystemExit(f"error: {sft_dir}: its SFT lr {'did not decay' if decays else 'decayed'}, unlike the "
+                         f"schedule asked for (--{'' if decays else 'no-'}sft-lr-decay); use another --out")
     if not (sft_dir / "config.json").exists():
         cmd = [sys.executable, "sft.py", *settings, "--out-dir", str(sft_dir),
                "--resume" if (sft_dir / "latest").exists() else "--overwrite"]
@@ -122,6 +127,12 @@ def sft_stage(out: Path, *, settings: list[str] = SFT_SETTINGS) -> tuple[Path, s
     digest = weights_sha256(sft_dir)  # what train.py records in each run's start.json
     (sft_dir / "model.sha256").write_text(digest + "\n")
     return sft_dir, digest
+
+
+def ended_decayed(metrics: Path) -> bool | None:
+    """Whether an SFT run's lr ended below its peak (decayed, fully or to a floor); None before its first step."""
+    lrs = [r["lr"] for r in read_metrics(metrics) if "lr" in r]
+    return None if not lrs else lrs[-1] < max(lrs)
 
 
 def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str], machine: dict) -> Path | None:
@@ -183,6 +194,10 @@ def main():
     parser.add_argument("--pipeline", action="store_true",
                         help=f"SFT first, then RL from the SFT'd model on {PIPELINE_OPS}-operation arith (default "
                              "--out results/pipeline, --estimators vine,critic,grpo)")
+    parser.add_argument("--sft-lr-decay", action=argparse.BooleanOptionalAction, default=True,
+                        help="--pipeline: the SFT stage's lr decays linearly to 0, sft.py's default; "
+                             "--no-sft-lr-decay keeps it constant, the start RL can move (docs/sft-for-rl.md; "
+                             "default --out results/pipeline-constant-lr)")
     parser.add_argument("--out", default=None, help="results folder (default results/replication; with --pipeline "
                                                     "results/pipeline)")
     parser.add_argument("--threshold", type=float, default=None, help="pass@1 whose time to reach is reported "
@@ -192,7 +207,9 @@ def main():
     parser.add_argument("--redraw", action="store_true",
                         help="run nothing: only summarize and plot the finished runs in --out")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
-    out = Path(args.out or ("results/pipeline" if args.pipeline else "results/replication"))
+    pipeline_out = "results/pipeline" if args.sft_lr_decay else "results/pipeline-constant-lr"
+    out = Path(args.out or (pipeline_out if args.pipeline else "results/replication"))
+    sft_settings = SFT_SETTINGS + ([] if args.sft_lr_decay else ["--no-lr-decay"])
     args.threshold = args.threshold if args.threshold is not None else (0.65 if args.pipeline else 0.35)
     args.estimators = args.estimators or ("vine,critic,grpo" if args.pipeline else ",".join(ESTIMATORS))
     unknown = [e for e in args.estimators.split(",") if e not in ESTIMATORS]
@@ -205,7 +222,7 @@ def main():
     machine, machines = this_machine(), {}  # machines: seed -> the machine its block ran on
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.pipeline and not args.redraw:
-        sft_dir, machine["sft_sha256"] = sft_stage(out)
+        sft_dir, machine["sft_sha256"] = sft_stage(out, settings=sft_settings)
         extra = [*PIPELINE_SETTINGS, "--model", str(sft_dir), *extra]
     elif args.pipeline:
         extra = [*PIPELINE_SETTINGS, "--model", str(out / "sft"), *extra]
@@ -228,7 +245,7 @@ def main():
     plot_bands(runs, str(out / "curves.png"), budget=args.budget)
     plot_runs([str(d / "metrics.jsonl") for d in dirs], str(out / "runs.png"), [d.name for d in dirs])
     blocks = "; ".join(f"seed {seed}: {describe(m)}" for seed, m in machines.items())
-    text = sft_summary(out / "sft") if args.pipeline else ""
+    text = sft_summary(out / "sft", settings=sft_settings) if args.pipeline else ""
     text += (f"Budget {args.budget:.0f} s of training per run; settings: `{' '.join(SETTINGS + extra)}`.\n"
             f"Each seed's runs share one machine (machine.json in each run's folder): {blocks}.\n"
             f"Compute of the grid: {sum(r['wall_minutes'] for r in rows):.0f} min of wall time summed over its runs "
@@ -252,7 +269,7 @@ def main():
             subprocess.run([sys.executable, "-m", script, flag, str(ckpt), *options], cwd=ROOT, check=True)
 
 
-def sft_summary(sft_dir: Path) -> str:
+def sft_summary(sft_dir: Path, *, settings: list[str] = SFT_SETTINGS) -> str:
     """A line on the pipeline's SFT stage from its metrics.jsonl: steps, minutes, pass@1 before and after, and where
     the wrong samples' first wrong line fell."""
     if not (sft_dir / "metrics.jsonl").exists():
@@ -260,7 +277,7 @@ def sft_summary(sft_dir: Path) -> str:
     records = read_metrics(sft_dir / "metrics.jsonl")
     evals = [r for r in records if "eval_accuracy" in r]
     last = records[-1]
-    return (f"SFT stage (`sft.py {' '.join(SFT_SETTINGS)}`): {last['iteration']} steps, "
+    return (f"SFT stage (`sft.py {' '.join(settings)}`): {last['iteration']} steps, "
             f"{last.get('train_seconds', 0) / 60:.1f} min of training; pass@1 {evals[0]['eval_accuracy']:.3f} before, "
             f"{evals[-1]['eval_accuracy']:.3f} after; first wrong line of the wrong samples "
             f"{last.get('first_wrong_line', {})}.\n")

@@ -216,6 +216,25 @@ def test_replicate_pipeline_summary_and_blocks_keyed_by_the_sft_model(tmp_path):
     assert machine != {**machine, "sft_sha256": "0123456789abcdef"}  # run() compares blocks as whole dicts
 
 
+def test_replicate_pipeline_refuses_an_sft_stage_of_the_other_schedule(tmp_path):
+    from scripts.replicate import SFT_SETTINGS, ended_decayed, sft_stage
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    metrics = sft / "metrics.jsonl"
+    metrics.write_text(json.dumps({"iteration": 0, "eval_accuracy": 0.0}) + "\n")
+    assert ended_decayed(metrics) is None  # no step yet: either schedule may resume it
+    rows = [{"iteration": i, "lr": lr} for i, lr in enumerate([2.5e-5, 5e-5, 3e-5, 1e-6], 1)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ended_decayed(metrics) is True
+    with pytest.raises(SystemExit, match="decayed, unlike the schedule asked for"):
+        sft_stage(tmp_path, settings=[*SFT_SETTINGS, "--no-lr-decay"])
+    metrics.write_text("".join(json.dumps({**r, "lr": min(r["lr"], 5e-5) if i < 2 else 5e-5}) + "\n"
+                               for i, r in enumerate(rows)))
+    assert ended_decayed(metrics) is False
+    with pytest.raises(SystemExit, match="did not decay"):
+        sft_stage(tmp_path, settings=SFT_SETTINGS)
+
+
 def test_replicate_extras_use_a_run_that_still_has_its_checkpoint(tmp_path):
     from scripts.replicate import latest_checkpoint
     runs = [tmp_path / f"critic-s{seed}" for seed in range(3)]
