@@ -3,7 +3,8 @@
 Public API (external checks call these names):
     grade_gsm8k(response, answer, *, truncated=False) -> float
     grade_math(response, answer, *, truncated=False) -> float
-    grade(response, answer, *, dataset, truncated=False) -> float   # dispatch by dataset (or grader) name
+    grade(response, answer, *, grader, truncated=False) -> float    # dispatch by data set or grader name
+Diagnostics (sft.py logs them for worked solutions such as arith's): first_wrong_line, wrong_line_counts.
 
 Rules (see README and ../shared/notes/vineppo-reference.md):
 - A response stopped by the length limit (`truncated=True`) scores 0 whatever it contains.
@@ -235,3 +236,29 @@ def grade(response: str, answer: str, *, grader: str, truncated: bool = False) -
 # math-verify builds its LaTeX parser on first use (~0.1 s). Do it once at import, so that forked workers start warm
 # and no call's time bound is spent on it.
 parse_gold_math("\\frac{1}{2}")
+
+
+def first_wrong_line(response: str, solution: str) -> int:
+    """Where a response first leaves the gold worked solution: the 1-based number of its first line (blank lines
+    skipped, spaces normalised) that differs from the gold solution's line there, or that is missing; 0 if every line
+    matches. For arith, whose solution is one operation per line, this is the step of the first arithmetic (or
+    copying) error; the last line is the "#### N" answer."""
+    ours = [" ".join(line.split()) for line in response.strip().splitlines() if line.strip()]
+    gold = [" ".join(line.split()) for line in solution.strip().splitlines() if line.strip()]
+    for i, line in enumerate(gold):
+        if i >= len(ours) or ours[i] != line:
+            return i + 1
+    return 0
+
+
+def wrong_line_counts(graded: list[tuple[dict, object, float]]) -> dict[str, int]:
+    """How many wrong samples first leave the gold solution at each line: {"1": n1, "2": n2, ...} (rollout.evaluate's
+    `keep` triples). A wrong sample whose lines all match the gold (only possible if it goes on after them) is
+    counted under "after"."""
+    counts = {}
+    for example, sample, correct in graded:
+        if not correct:
+            line = first_wrong_line(sample.text, example["solution"])
+            key = str(line) if line else "after"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (kv[0] == "after", int(kv[0]) if kv[0].isdigit() else 0)))

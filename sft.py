@@ -34,7 +34,7 @@ from checkpoint import GracefulStop, Saver, open_run, repair_metrics, restore
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
 from data import dataset_problem, encode_prompt, input_problem, load_split, load_splits, task_of
 from engine import HFSampler
-from grader import grader_of, is_number
+from grader import grader_of, is_number, wrong_line_counts
 from model import (DEFAULT_MODEL, Scorer, load_model, load_tokenizer, max_positions, model_problem, pick_device,
                    pick_dtype)
 from ppo import make_optimizer, pad_episodes
@@ -243,32 +243,6 @@ def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, ba
     optimizer.step()
     scheduler.step()
     return {"loss": total, "grad_norm": grad_norm, "tokens": int(tokens), "tokens_all": int(seen)}
-
-
-def first_wrong_line(response: str, solution: str) -> int:
-    """Where a response first leaves the gold worked solution: the 1-based number of its first line (blank lines
-    skipped, spaces normalised) that differs from the gold solution's line there, or that is missing; 0 if every line
-    matches. For arith, whose solution is one operation per line, this is the step of the first arithmetic (or
-    copying) error; the last line is the "#### N" answer."""
-    ours = [" ".join(line.split()) for line in response.strip().splitlines() if line.strip()]
-    gold = [" ".join(line.split()) for line in solution.strip().splitlines() if line.strip()]
-    for i, line in enumerate(gold):
-        if i >= len(ours) or ours[i] != line:
-            return i + 1
-    return 0
-
-
-def wrong_line_counts(graded: list[tuple[dict, object, float]]) -> dict[str, int]:
-    """How many wrong samples first leave the gold solution at each line: {"1": n1, "2": n2, ...} (rollout.evaluate's
-    `keep` triples). A wrong sample whose lines all match the gold (only possible if it goes on after them) is
-    counted under "after"."""
-    counts = {}
-    for example, sample, correct in graded:
-        if not correct:
-            line = first_wrong_line(sample.text, example["solution"])
-            key = str(line) if line else "after"
-            counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: (kv[0] == "after", int(kv[0]) if kv[0].isdigit() else 0)))
 
 
 def validation_reached(sampler, policy, tokenizer, validation: list[dict], cfg: SFTConfig, *, completed: int,

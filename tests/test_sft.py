@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from grader import first_wrong_line, wrong_line_counts
 from model import load_tokenizer
-from sft import first_wrong_line, parse_sft_config, sft_loss, sft_target, step_examples, wrong_line_counts
+from sft import parse_sft_config, sft_loss, sft_target, step_examples
 
 REPO = Path(__file__).resolve().parent.parent
 
