@@ -18,13 +18,11 @@ Runs go to OUT/<rule>-s<seed>; OUT/results.md has the testbed's summary (pass@1 
 paired differences to lines) and the budget table. --where prints where each rule cuts the SFT model's responses.
 """
 import argparse
-import time
 from pathlib import Path
 
 from scripts.plot import mean_se
-from scripts.replicate import sft_stage, this_machine
 from scripts.testbed import OUT as TESTBED
-from scripts.testbed import SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_cells, sft_digest, summary
+from scripts.testbed import arm_grid, grid_arguments, grid_choices
 
 OUT = "runs/branching"  # the default output, ignored by git (the committed grid: --out results/branching)
 RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
@@ -118,18 +116,8 @@ def main():
     rules, seeds = grid_choices(args, arm="rule", arms=RULES)
     if args.where:
         return print(where_cuts(Path(args.testbed) / "sft"))
-    out, started, ran, sft_dir = Path(args.out), time.time(), [], Path(args.testbed) / "sft"
-    out.mkdir(parents=True, exist_ok=True)
-    if not args.redraw:
-        sft_dir, _ = sft_stage(Path(args.testbed), settings=SFT_SETTINGS)  # the testbed's; made if missing
-        ran = run_cells([(r, s) for s in seeds for r in rules], out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs,
-                        machine=this_machine(), arms=RULES)
-    text, mine = summary(out, started=None if args.redraw else started, extra=extra, arms=RULES, baseline="lines",
-                         sft_dir=sft_dir, ran=ran)
-    runs, _ = done_runs(out, arms=RULES, start=sft_digest(sft_dir))
-    text += f"\nVine budget per iteration (mean over iterations, ± SE over seeds):\n\n{budget_table(runs)}\n"
-    (out / "results.md").write_text(text)
-    print(text + "\n" + mine)
+    arm_grid(args, extra, arms=RULES, chosen=rules, seeds=seeds, testbed=Path(args.testbed), baseline="lines",
+             title="Vine budget per iteration (mean over iterations, ± SE over seeds)", table=budget_table)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,12 @@ a 256-vine truth on groups of 8 responses: K = 9 fresh, free + 9 fresh (add), fr
 """
 import argparse
 import random
-import time
 from pathlib import Path
 
 from scripts.plot import area, mean_se
-from scripts.replicate import sft_stage, this_machine
+from scripts.replicate import sft_stage
 from scripts.testbed import OUT as TESTBED
-from scripts.testbed import (SFT_SETTINGS, done_runs, grid_arguments, grid_choices, paired_cells, run_cells, sft_digest,
-                             summary)
+from scripts.testbed import SFT_SETTINGS, arm_grid, grid_arguments, grid_choices, paired_cells
 
 OUT = "runs/free-samples"  # the default output, ignored by git (the committed grid: --out results/free-samples)
 ARMS = {"vine": ["--estimator", "vine"], "vine-free": ["--estimator", "vine", "--free-samples", "topup"],
@@ -156,25 +154,14 @@ def main():
     parser.add_argument("--truth", type=int, default=256, help="--values: vines per state for the true value")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     arms, seeds = grid_choices(args, arm="arm", arms=ARMS)
-    out, started, ran = Path(args.out), time.time(), []
-    sft_dir = Path(args.testbed) / "sft"
     if args.values:
         text = value_errors(sft_stage(Path(args.testbed), settings=SFT_SETTINGS)[0], prompts=args.prompts,
                             truth=args.truth, seed=seeds[0])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "values.md").write_text(text + "\n")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "values.md").write_text(text + "\n")
         return print(text)
-    out.mkdir(parents=True, exist_ok=True)
-    if not args.redraw:
-        sft_dir, _ = sft_stage(Path(args.testbed), settings=SFT_SETTINGS)
-        ran = run_cells([(a, s) for s in seeds for a in arms], out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs,
-                        machine=this_machine(), arms=ARMS)
-    text, mine = summary(out, started=None if args.redraw else started, extra=extra, arms=ARMS, baseline="vine",
-                         sft_dir=sft_dir, ran=ran)
-    runs, _ = done_runs(out, arms=ARMS, start=sft_digest(sft_dir))
-    text += f"\nThree cost axes, paired with vine by seed (± SE over seeds):\n\n{cost_table(runs)}\n"
-    (out / "results.md").write_text(text)
-    print(text + "\n" + mine)
+    arm_grid(args, extra, arms=ARMS, chosen=arms, seeds=seeds, testbed=Path(args.testbed), baseline="vine",
+             title="Three cost axes, paired with vine by seed (± SE over seeds)", table=cost_table)
 
 
 if __name__ == "__main__":

@@ -298,6 +298,25 @@ def grid_choices(args, *, arm: str, arms: dict[str, list[str]]) -> tuple[list[st
     return chosen, [int(s) for s in args.seeds.split(",")]
 
 
+def arm_grid(args, extra: list[str], *, arms: dict[str, list[str]], chosen: list[str], seeds: list[int],
+             testbed: Path, baseline: str, title: str, table) -> None:
+    """A grid of arms from the testbed's SFT model (testbed/sft, made there if missing): run the chosen (arm, seed)
+    cells into --out unless --redraw, then write --out/results.md (the summary, then `title` and `table(runs)`) and
+    print it."""
+    out, started, ran, sft_dir = Path(args.out), time.time(), [], testbed / "sft"
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.redraw:
+        sft_dir, _ = sft_stage(testbed, settings=SFT_SETTINGS)
+        ran = run_cells([(a, s) for s in seeds for a in chosen], out=out, sft_dir=sft_dir, extra=extra,
+                        jobs=args.jobs, machine=this_machine(), arms=arms)
+    text, mine = summary(out, started=None if args.redraw else started, extra=extra, arms=arms, baseline=baseline,
+                         sft_dir=sft_dir, ran=ran)
+    runs, _ = done_runs(out, arms=arms, start=sft_digest(sft_dir))
+    text += f"\n{title}:\n\n{table(runs)}\n"
+    (out / "results.md").write_text(text)
+    print(text + "\n" + mine)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     grid_arguments(parser, arm="estimator", arms=ESTIMATORS, out=OUT)
