@@ -233,11 +233,6 @@ def grade(response: str, answer: str, *, grader: str, truncated: bool = False) -
     return fn(response, answer, truncated=truncated)
 
 
-# math-verify builds its LaTeX parser on first use (~0.1 s). Do it once at import, so that forked workers start warm
-# and no call's time bound is spent on it.
-parse_gold_math("\\frac{1}{2}")
-
-
 def first_wrong_line(response: str, solution: str) -> int:
     """Where a response first leaves the gold worked solution: the 1-based number of its first line (blank lines
     skipped, spaces normalised) that differs from the gold solution's line there, or that is missing; 0 if every line
@@ -262,3 +257,8 @@ def wrong_line_counts(graded: list[tuple[dict, object, float]]) -> dict[str, int
             key = str(line) if line else "after"
             counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: (kv[0] == "after", int(kv[0]) if kv[0].isdigit() else 0)))
+
+
+# math-verify builds its LaTeX parser on first use (~0.1 s). Do it once at import, so that forked workers start warm
+# and no call's time bound is spent on it.
+parse_gold_math("\\frac{1}{2}")

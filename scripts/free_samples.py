@@ -157,8 +157,9 @@ def main():
     if args.values:
         text = value_errors(sft_stage(Path(args.testbed), settings=SFT_SETTINGS)[0], prompts=args.prompts,
                             truth=args.truth, seed=seeds[0])
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "values.md").write_text(text + "\n")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "values.md").write_text(text + "\n")
         return print(text)
     arm_grid(args, extra, arms=ARMS, chosen=arms, seeds=seeds, testbed=Path(args.testbed), baseline="vine",
              title="Three cost axes, paired with vine by seed (± SE over seeds)", table=cost_table)

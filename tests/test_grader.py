@@ -3,11 +3,13 @@ import random
 import string
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from conftest import shipped_rows
-from grader import extract_boxed, extract_math_answer, grade, grade_gsm8k, grade_math, parse_number
+from grader import (extract_boxed, extract_math_answer, first_wrong_line, grade, grade_gsm8k, grade_math, parse_number,
+                    wrong_line_counts)
 
 @pytest.mark.parametrize("response, answer, expected", [
     ("She sells 16 - 3 - 4 = 9 eggs.\nShe makes 9 * 2 = $18.\n#### 18", "18", 1.0),
@@ -141,3 +143,17 @@ def test_math500_gold_solutions_grade_one():
     own = sum(grade_math(row["solution"], row["answer"]) for row in data)
     other = sum(grade_math(row["solution"], data[i - 1]["answer"]) for i, row in enumerate(data))
     assert own == len(data) and other <= 5  # a few neighbours share an answer ("7" and "7", "x=5" and "5")
+
+
+def test_first_wrong_line_is_where_a_response_leaves_the_gold_solution():
+    gold = "7 + 5 = 12\n12 * 2 = 24\n24 - 3 = 21\n#### 21"
+    assert first_wrong_line(gold, gold) == 0
+    assert first_wrong_line("7 + 5 = 12\n\n12 * 2 =  24\n24 - 3 = 21\n#### 21\n", gold) == 0  # blanks, spaces
+    assert first_wrong_line("7 + 5 = 13\n13 * 2 = 26\n26 - 3 = 23\n#### 23", gold) == 1
+    assert first_wrong_line("7 + 5 = 12\n12 * 2 = 24\n24 - 3 = 20\n#### 20", gold) == 3
+    assert first_wrong_line("7 + 5 = 12\n12 * 2 = 24\n24 - 3 = 21", gold) == 4  # the answer line is missing
+    assert first_wrong_line("", gold) == 1
+    example = {"solution": gold}
+    texts = [gold, "7 + 5 = 13", "7 + 5 = 12\n12 * 2 = 25", "7 + 5 = 12\nx", gold + "\nmore"]
+    graded = [(example, SimpleNamespace(text=t), float(t == gold)) for t in texts]  # a sample: only its text is read
+    assert wrong_line_counts(graded) == {"1": 1, "2": 2, "after": 1}

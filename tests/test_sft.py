@@ -5,12 +5,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from grader import first_wrong_line, wrong_line_counts
 from model import load_tokenizer
 from sft import parse_sft_config, sft_loss, sft_target, step_examples
 
@@ -63,20 +61,6 @@ def test_targets_drop_calculator_annotations_and_follow_the_prompt_format(smol_p
     assert chat[-1] == paper[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(chat[:-1]) == "Natalia sold 48/2 = 24 clips in May.\n#### 72"
     assert tokenizer.decode(paper[:-1]) == "\nNatalia sold 48/2 = 24 clips in May.\n#### 72\n"
-
-
-def test_first_wrong_line_is_where_a_response_leaves_the_gold_solution():
-    gold = "7 + 5 = 12\n12 * 2 = 24\n24 - 3 = 21\n#### 21"
-    assert first_wrong_line(gold, gold) == 0
-    assert first_wrong_line("7 + 5 = 12\n\n12 * 2 =  24\n24 - 3 = 21\n#### 21\n", gold) == 0  # blanks, spaces
-    assert first_wrong_line("7 + 5 = 13\n13 * 2 = 26\n26 - 3 = 23\n#### 23", gold) == 1
-    assert first_wrong_line("7 + 5 = 12\n12 * 2 = 24\n24 - 3 = 20\n#### 20", gold) == 3
-    assert first_wrong_line("7 + 5 = 12\n12 * 2 = 24\n24 - 3 = 21", gold) == 4  # the answer line is missing
-    assert first_wrong_line("", gold) == 1
-    example = {"solution": gold}
-    texts = [gold, "7 + 5 = 13", "7 + 5 = 12\n12 * 2 = 25", "7 + 5 = 12\nx", gold + "\nmore"]
-    graded = [(example, SimpleNamespace(text=t), float(t == gold)) for t in texts]  # a sample: only its text is read
-    assert wrong_line_counts(graded) == {"1": 1, "2": 2, "after": 1}
 
 
 def test_bad_flags_are_one_line(capsys, monkeypatch):
