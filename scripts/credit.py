@@ -200,7 +200,7 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
     """Each setting's own testbed summary (OUT/<setting>/results.md), then OUT/results.md, results.json and
     credit.png: per setting its SFT start and vine - grpo paired by seed on the three axes; the slopes against L and
     F; the diagnostics."""
-    rows, diffs = {}, {}
+    rows, diffs, against_vine = {}, {}, {}
     for setting in settings:
         folder, (ops, filler) = out / setting, SETTINGS[setting]
         runs, _ = done_runs(folder, arms={a: ARMS[a] for a in arms_of(setting)}, start=sft_digest(folder / "sft"))
@@ -211,6 +211,10 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
                 sft_settings=sft_settings(ops, filler))
         sft = [r for r in read_metrics(folder / "sft" / "metrics.jsonl") if "eval_accuracy" in r][-1]
         scores = per_seed(runs)
+        if "vine" in runs and any(a in LONG_ONLY for a in runs):  # chain-L8: every arm, paired with vine by seed
+            against_vine = {a: {axis: [by_arm[a][s] - by_arm["vine"][s] for s in by_arm[a] if s in by_arm["vine"]]
+                                for axis, by_arm in scores.items()} for a in runs if a != "vine"}
+            against_vine = {a: d for a, d in against_vine.items() if d["iteration"]}
         diffs[setting] = {axis: {s: v - by_arm.get("grpo", {})[s] for s, v in by_arm.get("vine", {}).items()
                                  if s in by_arm.get("grpo", {})} for axis, by_arm in scores.items()}
         cost = {a: mean_se([sum(r["seconds"] for r in recs if r["iteration"] > 0) / 30 for recs in by_seed.values()])[0]
@@ -245,11 +249,17 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
         lines.append(f"| {name} | " + " | ".join("–" if not k else f"{m:+.4f} ± {se:.4f}" if k > 1 else f"{m:+.4f} ± –"
                                                  for m, se, k in by_axis.values())
                      + f" | {n} | {far} |")
+    if against_vine:
+        lines += ["", "Every arm at chain-L8, paired with vine by seed (arm − vine; mean ± SE over the seeds both have):",
+                  "", "| arm | seeds | per iteration | per sampled token | per wall-clock |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {a} | {len(d['iteration'])} | " + " | ".join(pm(*mean_se(d[axis]), len(d[axis]), signed=True)
+                                                                 for axis in ("iteration", "token", "wall-clock")) + " |"
+                  for a, d in against_vine.items()]
     lines += ["", "Why, on each setting's SFT policy (`python -m scripts.credit --diagnose`):", "",
               diagnose_table(out, settings)]
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "slopes": slopes, "diffs": diffs}, indent=1))
+    (out / "results.json").write_text(json.dumps({"rows": rows, "slopes": slopes, "diffs": diffs, "l8_against_vine": against_vine}, indent=1))
     plot_credit(diffs, out / "credit.png")
     return text
 

@@ -127,3 +127,21 @@ def test_diagnose_on_a_tiny_model_reports_every_figure_in_range(tmp_path):
     for key in ("value_mae", "sign_accuracy_vine", "sign_accuracy_grpo", "sign_zero_vine", "sign_zero_grpo", "misplaced_vine", "misplaced_grpo",
                 "decisive_at_prompt", "decisive_state_shared", "decisive_state_right_sibling", "reward_mean"):
         assert 0.0 <= d[key] <= 1.0, key
+
+
+def test_the_summary_pairs_every_l8_arm_with_vine(tmp_path):
+    """At chain-L8 the long-only arms are paired with vine by seed: critic trails vine by 0.2 per iteration in both
+    seeds, rloo's only seed (2) has no vine partner and is left out."""
+    sft = tmp_path / "chain-L8" / "sft"
+    sft.mkdir(parents=True)
+    (sft / "model.sha256").write_text("a" * 64 + "\n")
+    (sft / "metrics.jsonl").write_text(json.dumps({"iteration": 100, "validation_accuracy": 0.52,
+                                                   "eval_accuracy": 0.5, "eval_se": 0.02}) + "\n")
+    for seed in (0, 1):
+        for arm, accuracy in (("vine", 0.8), ("grpo", 0.7), ("critic", 0.6)):
+            finished(tmp_path / "chain-L8" / f"{arm}-s{seed}", start="a" * 64, accuracy=accuracy + seed / 100,
+                     tokens=1000, seconds=10.0)
+    finished(tmp_path / "chain-L8" / "rloo-s2", start="a" * 64, accuracy=0.9, tokens=1000, seconds=10.0)
+    text = credit.credit_summary(tmp_path, settings=["chain-L8"], started=None, extra=[])
+    assert "| critic | 2 | -0.200 ± 0.000 |" in text and "| grpo | 2 | -0.100 ± 0.000 |" in text
+    assert "| rloo |" not in text.split("Every arm at chain-L8")[1]
