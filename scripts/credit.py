@@ -199,7 +199,7 @@ def diagnose_table(out: Path, settings: list[str]) -> str:
 def credit_summary(out: Path, *, settings: list[str], started: float | None, extra: list[str]) -> str:
     """Each setting's own testbed summary (OUT/<setting>/results.md), then OUT/results.md, results.json and
     credit.png: per setting its SFT start and vine - grpo paired by seed on the three axes; the slopes against L and
-    F; the diagnostics."""
+    F; every chain-L8 arm paired with vine; the diagnostics."""
     rows, diffs, against_vine = {}, {}, {}
     for setting in settings:
         folder, (ops, filler) = out / setting, SETTINGS[setting]
