@@ -259,7 +259,8 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
               diagnose_table(out, settings)]
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "slopes": slopes, "diffs": diffs, "l8_against_vine": against_vine}, indent=1))
+    (out / "results.json").write_text(json.dumps({"rows": rows, "slopes": slopes, "diffs": diffs,
+                                                  "l8_against_vine": against_vine}, indent=1))
     plot_credit(diffs, out / "credit.png")
     return text
 
