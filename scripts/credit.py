@@ -79,6 +79,12 @@ def per_seed(runs: dict[str, dict[int, list[dict]]]) -> dict[str, dict[str, dict
                            for a, by_seed in minutes.items()}}
 
 
+def paired(scores: dict[str, dict[str, dict[int, float]]], arm: str, baseline: str) -> dict[str, dict[int, float]]:
+    """Per axis of per_seed's scores, arm - baseline by each seed both have."""
+    return {axis: {s: v - by_arm[baseline][s] for s, v in by_arm.get(arm, {}).items() if s in by_arm.get(baseline, {})}
+            for axis, by_arm in scores.items()}
+
+
 def slope(xs: list[float], ys: list[float]) -> float:
     """The least-squares slope of ys against xs."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -212,11 +218,8 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
         sft = [r for r in read_metrics(folder / "sft" / "metrics.jsonl") if "eval_accuracy" in r][-1]
         scores = per_seed(runs)
         if "vine" in runs and any(a in LONG_ONLY for a in runs):  # chain-L8: every arm, paired with vine by seed
-            against_vine = {a: {axis: [by_arm[a][s] - by_arm["vine"][s] for s in by_arm[a] if s in by_arm["vine"]]
-                                for axis, by_arm in scores.items()} for a in runs if a != "vine"}
-            against_vine = {a: d for a, d in against_vine.items() if d["iteration"]}
-        diffs[setting] = {axis: {s: v - by_arm.get("grpo", {})[s] for s, v in by_arm.get("vine", {}).items()
-                                 if s in by_arm.get("grpo", {})} for axis, by_arm in scores.items()}
+            against_vine = {a: d for a in runs if a != "vine" and (d := paired(scores, a, "vine"))["iteration"]}
+        diffs[setting] = paired(scores, "vine", "grpo")
         cost = {a: mean_se([sum(r["seconds"] for r in recs if r["iteration"] > 0) / 30 for recs in by_seed.values()])[0]
                 for a, by_seed in runs.items()}
         rows[setting] = {"ops": ops, "filler": filler, "sft_steps": sft["iteration"],
@@ -252,7 +255,7 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
     if against_vine:
         lines += ["", "Every arm at chain-L8, paired with vine by seed (arm − vine; mean ± SE over the seeds both have):",
                   "", "| arm | seeds | per iteration | per sampled token | per wall-clock |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {a} | {len(d['iteration'])} | " + " | ".join(pm(*mean_se(d[axis]), len(d[axis]), signed=True)
+        lines += [f"| {a} | {len(d['iteration'])} | " + " | ".join(pm(*mean_se(list(d[axis].values())), len(d[axis]), signed=True)
                                                                  for axis in ("iteration", "token", "wall-clock")) + " |"
                   for a, d in against_vine.items()]
     lines += ["", "Why, on each setting's SFT policy (`python -m scripts.credit --diagnose`):", "",
