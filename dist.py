@@ -36,8 +36,10 @@ def init(device: torch.device) -> tuple[int, int]:
 
 
 def finish():
-    """Leave the process group (at the end of a run)."""
+    """Leave the process group (at the end of a run), all ranks together: a rank that tears gloo down while another
+    still writes its files can abort at exit ("terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
