@@ -205,7 +205,8 @@ def main():
     parser.add_argument("--extras", action=argparse.BooleanOptionalAction, default=True,
                         help="also run scripts/diagnose.py on the critic run and scripts/visualize.py on the vine run")
     parser.add_argument("--redraw", action="store_true",
-                        help="run nothing: only summarize and plot the finished runs in --out")
+                        help="run nothing (no --extras either): only summarize and plot the finished runs in "
+                             "--out")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     pipeline_out = "results/pipeline" if args.sft_lr_decay else "results/pipeline-constant-lr"
     out = Path(args.out or (pipeline_out if args.pipeline else "results/replication"))
@@ -256,7 +257,7 @@ def main():
     (out / "results.json").write_text(json.dumps({"budget": args.budget, "settings": SETTINGS + extra, "runs": rows,
                                                   "summary": summary}, indent=1))
     print(text)
-    if args.extras:
+    if args.extras and not args.redraw:  # --redraw runs nothing, the diagnostics neither
         adaptive = ESTIMATORS["vine-adaptive"]
         rule = f"adaptive:{adaptive[adaptive.index('--k-ci') + 1]}"  # the grid's adaptive-K point in the diagnostic
         for estimator, script, flag, options in (
