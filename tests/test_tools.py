@@ -288,3 +288,20 @@ def test_replicate_bad_seeds_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["scripts/replicate.py", "--seeds", "0,x", "--out", str(tmp_path), "--redraw"])
     with pytest.raises(SystemExit, match="--seeds: expected comma-separated non-negative integers, got '0,x'"):
         replicate.main()
+
+
+def test_replicate_redraw_runs_nothing_not_even_the_extras(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    import scripts.replicate as replicate
+    committed = Path(__file__).resolve().parents[1] / "results" / "pipeline-constant-lr"
+    for name in ("vine-s0", "critic-s0"):
+        shutil.copytree(committed / name, tmp_path / name)
+        (tmp_path / name / "latest").write_text("ckpt-000001\n")  # as if its checkpoint were still here
+    ran = []
+    monkeypatch.setattr(replicate.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
+    monkeypatch.setattr(sys, "argv", ["replicate", "--redraw", "--budget", "900", "--out", str(tmp_path)])
+    replicate.main()
+    assert ran == []  # neither train.py nor scripts.diagnose / scripts.visualize
+    assert "| critic | 0 |" in (tmp_path / "results.md").read_text()
