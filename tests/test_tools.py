@@ -267,6 +267,7 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
         records = [{**r, "reward_mean": 0.5} for r in grid_run([(0, 0.2), (minutes / 2, 0.3), (minutes, 0.4)])]
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (cut / "latest").write_text("ckpt-000002")  # cut off at 4 of 10 minutes: a plain invocation would resume it
+    (done / "latest").write_text("ckpt-000005")  # its checkpoint still here: what --extras would diagnose
     other = tmp_path / "grpo-s5"  # finished in an earlier sitting, outside this invocation's --seeds and --estimators
     shutil.copytree(done, other)
     (other / "machine.json").write_text(json.dumps(replicate.this_machine()))
@@ -274,8 +275,9 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
     (tmp_path / "notes-sx" / "machine.json").write_text("{}")
     assert replicate.block_seeds(tmp_path) == [5]
     monkeypatch.setattr(replicate, "run", lambda *a, **k: pytest.fail(f"--redraw started the run {a}"))
+    monkeypatch.setattr(replicate.subprocess, "run", lambda cmd, **k: pytest.fail(f"--redraw ran {cmd}"))  # --extras
     monkeypatch.setattr("sys.argv", ["scripts/replicate.py", "--budget", "600", "--seeds", "0", "--estimators", "vine,critic",
-                                     "--out", str(tmp_path), "--redraw", "--no-extras"])
+                                     "--out", str(tmp_path), "--redraw"])
     replicate.main()
     results = (tmp_path / "results.md").read_text()
     assert "| vine | 1 | 0.400 ± – |" in results and "| critic |" not in results
@@ -289,19 +291,3 @@ def test_replicate_bad_seeds_is_a_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--seeds: expected comma-separated non-negative integers, got '0,x'"):
         replicate.main()
 
-
-def test_replicate_redraw_runs_nothing_not_even_the_extras(tmp_path, monkeypatch):
-    import sys
-    from pathlib import Path
-
-    import scripts.replicate as replicate
-    committed = Path(__file__).resolve().parents[1] / "results" / "pipeline-constant-lr"
-    for name in ("vine-s0", "critic-s0"):
-        shutil.copytree(committed / name, tmp_path / name)
-        (tmp_path / name / "latest").write_text("ckpt-000001\n")  # as if its checkpoint were still here
-    ran = []
-    monkeypatch.setattr(replicate.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
-    monkeypatch.setattr(sys, "argv", ["replicate", "--redraw", "--budget", "900", "--out", str(tmp_path)])
-    replicate.main()
-    assert ran == []  # neither train.py nor scripts.diagnose / scripts.visualize
-    assert "| critic | 0 |" in (tmp_path / "results.md").read_text()
