@@ -118,13 +118,14 @@ def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, thr
         final = mean_se([c[-1][1] for c in curves.values()])
         gain = mean_se([c[-1][1] - c[0][1] for c in curves.values()])
         areas = mean_se([area(c, minutes=budget / 60) for c in curves.values()])
+        area_gain = mean_se([area(c, minutes=budget / 60) - c[0][1] for c in curves.values()])
         paired = [seed for seed in curves if seed in base]
         final_diff = mean_se([curves[s][-1][1] - base[s][-1][1] for s in paired]) if paired else (None, None)
         area_diff = mean_se([area(curves[s], minutes=budget / 60) - area(base[s], minutes=budget / 60)
                              for s in paired]) if paired else (None, None)
         out[name] = {"seeds": len(seeds), "final": final[0], "final_se": final[1], "gain": gain[0], "gain_se": gain[1],
                      "best": mean_se([max(a for _, a in c) for c in curves.values()])[0],
-                     "area": areas[0], "area_se": areas[1],
+                     "area": areas[0], "area_se": areas[1], "area_gain": area_gain[0], "area_gain_se": area_gain[1],
                      "minutes_to_threshold": sum(reached) / len(reached) if reached else None, "reached": len(reached),
                      "kl_ref": mean_se([r["kl_ref"] for r in last])[0],
                      "seconds_per_iteration": mean_se([r["train_seconds"] / r["iteration"] for r in last])[0],
@@ -136,9 +137,9 @@ def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, thr
 
 def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: str = "vine") -> str:
     lines = [f"| estimator | seeds | final pass@1 (mean ± SE) | final − start (± SE) | best (mean) | mean pass@1 over "
-             f"time (± SE) | minutes to {threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed | final − {baseline}, "
+             f"time (± SE) | mean over time − start (± SE) | minutes to {threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed | final − {baseline}, "
              f"same seeds (± SE) | mean over time − {baseline} (± SE) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in summary.items():
         reach = f"{s['minutes_to_threshold']:.1f} ({s['reached']}/{s['seeds']})" if s["reached"] else f"never (0/{s['seeds']})"
         vs = ["–", "–"] if name == baseline or not s["paired"] else [
@@ -147,7 +148,7 @@ def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: st
         n = s["seeds"]
         lines.append(f"| {name} | {n} | {pm(s['final'], s['final_se'], n)} | "
                      f"{pm(s['gain'], s['gain_se'], n, signed=True)} | {s['best']:.3f} | "
-                     f"{pm(s['area'], s['area_se'], n)} | {reach} | {s['kl_ref']:.2e} | "
+                     f"{pm(s['area'], s['area_se'], n)} | {pm(s['area_gain'], s['area_gain_se'], n, signed=True)} | {reach} | {s['kl_ref']:.2e} | "
                      f"{s['seconds_per_iteration']:.0f} | {s['collapsed']} | {vs[0]} | {vs[1]} |")
     return "\n".join(lines)
 

@@ -141,6 +141,7 @@ def test_grid_statistics_by_hand():
     assert grpo["gain"] == pytest.approx(-0.15) and grpo["gain_se"] == 0.0
     assert vine["best"] == pytest.approx(0.4) and (vine["minutes_to_threshold"], vine["reached"]) == (5.0, 1)
     assert vine["area"] == pytest.approx(((0.2 * 5 + 0.4 * 5) + (0.2 * 6 + 0.3 * 4)) / 20)
+    assert (vine["area_gain"], vine["area_gain_se"]) == (pytest.approx(0.07), pytest.approx(0.03))  # mean of 0.3 - 0.2, 0.24 - 0.2
     assert vine["seconds_per_iteration"] == pytest.approx(300) and vine["collapsed"] == 0
     assert (grpo["collapsed"], grpo["reached"], grpo["kl_ref"]) == (1, 0, 0.5)
     table = summary_markdown(summary, threshold=0.35)
