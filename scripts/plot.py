@@ -117,11 +117,12 @@ def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, thr
         reached = [t for t in (time_to(c, threshold) for c in curves.values()) if t is not None]
         final = mean_se([c[-1][1] for c in curves.values()])
         gain = mean_se([c[-1][1] - c[0][1] for c in curves.values()])
-        areas = mean_se([area(c, minutes=budget / 60) for c in curves.values()])
-        area_gain = mean_se([area(c, minutes=budget / 60) - c[0][1] for c in curves.values()])
+        area_of = {seed: area(c, minutes=budget / 60) for seed, c in curves.items()}
+        areas = mean_se(list(area_of.values()))
+        area_gain = mean_se([area_of[s] - c[0][1] for s, c in curves.items()])
         paired = [seed for seed in curves if seed in base]
         final_diff = mean_se([curves[s][-1][1] - base[s][-1][1] for s in paired]) if paired else (None, None)
-        area_diff = mean_se([area(curves[s], minutes=budget / 60) - area(base[s], minutes=budget / 60)
+        area_diff = mean_se([area_of[s] - area(base[s], minutes=budget / 60)
                              for s in paired]) if paired else (None, None)
         out[name] = {"seeds": len(seeds), "final": final[0], "final_se": final[1], "gain": gain[0], "gain_se": gain[1],
                      "best": mean_se([max(a for _, a in c) for c in curves.values()])[0],
