@@ -65,8 +65,8 @@ class SFTConfig:
     max_steps: int = arg(0, "stop after this many optimizer steps (the schedule is laid out for them); 0: epochs")
     lr: float = arg(1e-5, "AdamW peak learning rate (official: 1e-5 for the 1.1B model, 5e-5 for 7B)")
     warmup_ratio: float = arg(0.03, "fraction of optimizer steps spent warming up, then linear decay to 0")
-    lr_decay: bool = arg(True, "decay the learning rate linearly to 0 after warmup (--no-lr-decay: constant; on the "
-                               "testbed RL barely moved a model decayed to 0: docs/sft-for-rl.md)")
+    lr_decay: bool = arg(True, "decay the learning rate linearly to 0 after warmup (--no-lr-decay: constant, the start "
+                               "to hand RL: RL barely moved or lowered models decayed to 0, docs/sft-for-rl.md)")
     decay_steps: int = arg(0, "decay over the last this many steps only, constant before (warmup-stable-decay); 0: "
                               "over every step after warmup")
     lr_floor: float = arg(0.0, "the decay ends at this fraction of --lr instead of 0")
