@@ -5,7 +5,7 @@ Public API: gae(rewards, values, *, gamma, lam). rewards has shape (T,), values 
 VinePPO (paper): gamma = 1, lam = 0, so A_i = r_i + V(s_{i+1}) - V(s_i). With lam = 1, A_t = return_t - V_t.
 
 The baselines of the paper's comparison, all feeding the same PPO update (`--estimator`):
-    critic: PPO's learned value head, GAE over tokens (lam = 1: A_t = G - V_t)   -> critic_advantages
+    critic: PPO's learned critic (critic.py), GAE over tokens (lam = 1: A_t = G - V_t) -> critic_advantages
     grpo:   one advantage per response, (r - mean) / std over the prompt's group  -> group_baseline_advantages
     rloo:   one advantage per response, r minus the mean of the group's others    -> group_baseline_advantages
 
@@ -17,6 +17,7 @@ batch, R = response columns (right-padded).
 import torch
 
 import dist
+from critic import critic_values
 from ppo import batch_logprobs, pad_rows, score_batch
 from values import estimate_values, step_token_starts, token_step_index
 
@@ -91,11 +92,12 @@ def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P: int, micro: list, sampler, scorer,
-               tokenizer, cfg, seed: int):
+               tokenizer, cfg, seed: int, critic=None):
     """train.py's section 4. vine: split every response into steps (--step-split; entropy:F scores the batch first)
     and estimate the value of the state before each step from K vines (values.estimate_values). critic: the value
-    head's value of every response token, from the same forward pass as the policy's old log-probs (kept in `batch`
-    for the update). grpo / rloo: no values.
+    of every response token, from the separate critic's forward (`critic`, critic.SeparateCritic) or with --critic
+    head from the policy's forward pass that gives the old log-probs (kept in `batch` for the update).
+    grpo / rloo: no values.
     Returns (values, step starts (vine) or None, stats for the metrics line)."""
     if estimator == "vine":
         entropies = [None] * len(episodes.samples)
@@ -118,6 +120,8 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
     if estimator == "critic":
         batch["old_logprobs"], token_values, batch["log_mass"] = batch_logprobs(
             scorer, batch, P, groups=micro, temperature=cfg.temperature, top_p=cfg.top_p)  # (B, R) each
+        if critic is not None:
+            token_values = critic_values(critic, batch, P, groups=micro)  # (B, R), no gradient into the policy
         values = [token_values[i, :len(r)] for i, r in enumerate(episodes.responses)]
         return values, None, {"value_mean": dist.mean(torch.cat(values).tolist())}
     return None, None, {}

@@ -2,7 +2,9 @@
 iteration in progress.
 
     OUT/metrics.jsonl     one line per iteration, written (and fsynced) before that iteration's checkpoint
-    OUT/ckpt-NNNNNN/      a Hugging Face folder + trainer_state.pt (+ value_head.pt), written as .tmp-ckpt-* and renamed
+    OUT/ckpt-NNNNNN/      a Hugging Face folder + trainer_state.pt (+ value_head.pt with --critic head; + critic/, a
+                          Hugging Face folder with value_head.safetensors, with --critic separate), written as
+                          .tmp-ckpt-* and renamed
     OUT/latest            names the committed checkpoint; a checkpoint counts once `latest` names it
     OUT/start.json        the model the run started from and the sha256 of its weights (record_start)
 
@@ -142,19 +144,38 @@ def load_trainer_state(source: Path) -> dict:
     return load_tensors(source / "trainer_state.pt", "a trainer state")
 
 
-def restore(state: dict, *, scorer, optimizer, scheduler, rng, lrs: list[float]) -> tuple[int, float]:
+def restore(state: dict, *, scorer, optimizer, scheduler, rng, lrs: list[float], critic=None) -> tuple[int, float]:
     """Load a checkpoint's optimizer, scheduler and RNG states (each rank its own torch RNG when the world size is the
-    saved one). The learning rates in force are this run's `lrs` (one per parameter group; a changed --lr applies),
-    at the schedule's saved step. Returns (iteration, train_seconds)."""
-    dist.load_optimizer_state(scorer, optimizer, state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scheduler.base_lrs = list(lrs[:len(optimizer.param_groups)])
-    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["initial_lr"], group["lr"] = base, base * factor(scheduler.last_epoch)
+    saved one), and a separate critic's optimizer and schedule (critic.SeparateCritic; its weights were loaded from
+    ckpt-*/critic). The learning rates in force are this run's `lrs` (one per parameter group; a changed --lr
+    applies) and the critic's lr, at the schedules' saved steps. Returns (iteration, train_seconds)."""
+    load_schedule(scorer, optimizer, scheduler, state["optimizer"], state["scheduler"], lrs=lrs)
+    if critic is not None:
+        load_schedule(critic.module, critic.optimizer, critic.scheduler, state["critic_optimizer"],
+                      state["critic_scheduler"], lrs=[critic.lr])
     rng.setstate(state["python_rng"])
     rngs = state["torch_rng"] if isinstance(state["torch_rng"], list) else [state["torch_rng"]]
     torch.set_rng_state(rngs[dist.rank()] if len(rngs) == dist.world() else rngs[0])
     return state["iteration"], state["train_seconds"]
+
+
+def load_schedule(module, optimizer, scheduler, optimizer_state: dict, scheduler_state: dict, *, lrs: list[float]):
+    """An optimizer's saved state and its schedule's step, with this run's learning rates `lrs` (one per group)."""
+    dist.load_optimizer_state(module, optimizer, optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
+    scheduler.base_lrs = list(lrs[:len(optimizer.param_groups)])
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = base, base * factor(scheduler.last_epoch)
+
+
+def save_critic(folder: Path, critic, state: dict):
+    """A separate critic (critic.Critic) as a Hugging Face folder: its trunk's config and safetensors, and the head
+    in value_head.safetensors; `state` is its full state dict (gathered from the shards under FSDP2)."""
+    from safetensors.torch import save_file
+    trunk = {k.removeprefix("trunk."): v for k, v in state.items() if k.startswith("trunk.")}
+    critic.trunk.save_pretrained(folder, state_dict=trunk)
+    save_file({k.removeprefix("head."): v.contiguous() for k, v in state.items() if k.startswith("head.")},
+              folder / "value_head.safetensors")
 
 
 def load_value_head(source: Path | None, value_head):
@@ -188,7 +209,7 @@ def append_metrics(log, record: dict):
 
 
 def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head, tokenizer, optimizer, scheduler,
-                    python_rng, torch_rng, cfg, train_seconds: float):
+                    python_rng, torch_rng, cfg, train_seconds: float, critic=None):
     """Write ckpt-<iteration>/ as a temp folder, rename it into place, point `latest` at it, then drop older ones.
     The previous checkpoint stays committed until the new one is. A full disk stops the run with a one-line error
     and leaves the previous checkpoint as it was. Under torchrun every rank calls this (sharded weights and every
@@ -200,6 +221,10 @@ def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head
     policy_state = dist.full_state_dict(policy) if sharded else None  # None: save_pretrained takes its own
     head_state = dist.full_state_dict(value_head) if value_head is not None else None
     optimizer_state, torch_rngs = dist.optimizer_state(scorer, optimizer), dist.all_gather(torch_rng)
+    if critic is not None:  # a separate critic (critic.SeparateCritic): its weights, optimizer and schedule
+        critic_state = dist.full_state_dict(critic.model)
+        critic_extra = {"critic_optimizer": dist.optimizer_state(critic.module, critic.optimizer),
+                        "critic_scheduler": critic.scheduler.state_dict()}
     if dist.rank() == 0:
         tmp = out_dir / f".tmp-ckpt-{iteration:06d}-{os.getpid()}"
         try:
@@ -207,10 +232,13 @@ def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head
             tokenizer.save_pretrained(tmp)
             if head_state is not None:
                 torch.save(head_state, tmp / "value_head.pt")
+            if critic is not None:
+                save_critic(tmp / "critic", critic.model, critic_state)
             pause_point("save", iteration)
             torch.save({"iteration": iteration, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                         "python_rng": python_rng, "torch_rng": torch_rngs, "config": dataclasses.asdict(cfg),
-                        "train_seconds": train_seconds}, tmp / "trainer_state.pt")
+                        "train_seconds": train_seconds, **(critic_extra if critic is not None else {})},
+                       tmp / "trainer_state.pt")
         except (OSError, RuntimeError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             full = getattr(e, "errno", None) == errno.ENOSPC or "unexpected pos" in str(e) or "No space" in str(e)
@@ -229,7 +257,7 @@ def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head
 class Saver:
     """When to save and what: remembers the state after the last completed iteration (`note`), which a checkpoint at
     the cadence, a stop signal or Ctrl-C then saves (`save`). `parts`: save_checkpoint's scorer, policy, value_head,
-    tokenizer, optimizer, scheduler and cfg."""
+    critic, tokenizer, optimizer, scheduler and cfg."""
 
     def __init__(self, out_dir: Path, *, rng, completed: int, train_seconds: float, **parts):
         self.out_dir, self.rng, self.parts = out_dir, rng, parts

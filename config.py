@@ -76,9 +76,15 @@ class Config:
     minibatch_size: int | None = arg(None, "episodes per optimizer step (paper: 64; CPU default: 8)")
     micro_batch_size: int | None = arg(None, "episodes per forward/backward (gradient accumulation; CPU default: 2)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
-    vf_coef: float = arg(0.1, "critic: weight of the value loss")
+    critic: str | None = arg(None, "--estimator critic's value network: separate (the paper's PPO: a copy of --model "
+                                   "with a value head, trained by the value loss alone with its own AdamW at "
+                                   "--value-lr; critic.py) or head (a value head on the policy's own trunk, its loss "
+                                   "x --vf-coef in the policy's; the ablation). Default with --estimator critic: "
+                                   "separate", choices=["separate", "head"])
+    vf_coef: float = arg(0.1, "--critic head: weight of the value loss in the policy's loss")
     value_clip: float = arg(0.2, "critic: value clipping range")
-    value_lr: float | None = arg(None, "critic: learning rate of the value head (default: --lr)")
+    value_lr: float | None = arg(None, "critic: learning rate of the separate critic (its whole network) or of the "
+                                       "head (default: --lr, as the official configuration)")
     whiten: bool = arg(True, "normalise advantages over the batch")
     max_value_steps: int | None = arg(None, "estimate at most this many states per response (default: no cap "
                                             "for math, 25 otherwise; 0 = no cap)")
@@ -176,6 +182,11 @@ def parse_config(argv=None) -> Config:
             setattr(cfg, name, paper if gpu else cpu)
     if cfg.iterations is None:
         cfg.iterations = {"gsm8k": 650, "math": 1000, "arith": 200, "chain": 100, "custom": 650}[cfg.task]
+    if cfg.critic is not None and cfg.estimator != "critic":
+        parser.error(f"--critic {cfg.critic} chooses the value network of --estimator critic (got --estimator "
+                     f"{cfg.estimator})")
+    if cfg.estimator == "critic" and cfg.critic is None:
+        cfg.critic = "separate"  # the paper's PPO
     if cfg.lam is None:
         cfg.lam = 1.0 if cfg.estimator == "critic" else 0.0
     cfg.value_lr = cfg.lr if cfg.value_lr is None else cfg.value_lr
@@ -287,7 +298,7 @@ def unwritable(path: Path) -> str | None:
 
 # Flags that define a run: a resumed run must have the same. Every other flag may change on --resume (iterations,
 # cadences, time budget, learning rates, ...) and is then applied for real and logged.
-RUN_DEFINING = ("dataset", "grader", "estimator", "model", "prompt_format", "seed", "arith_ops", "arith_max",
+RUN_DEFINING = ("dataset", "grader", "estimator", "critic", "model", "prompt_format", "seed", "arith_ops", "arith_max",
                 "chain_filler", "k",
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
                 "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
@@ -298,7 +309,8 @@ NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track", "task", "
 def config_changes(saved: dict, cfg: Config) -> tuple[list[str], list[str]]:
     """(run-defining differences, other differences) between a checkpoint's config and this one, as "--flag a -> b"."""
     defining, other = [], []
-    saved = {"grader": grader_of(saved.get("dataset", "gsm8k")), **saved}  # checkpoints from before --grader
+    saved = {"grader": grader_of(saved.get("dataset", "gsm8k")),  # checkpoints from before --grader, and from
+             "critic": "head" if saved.get("estimator") == "critic" else None, **saved}  # before --critic: a head
     for f in dataclasses.fields(Config):
         old, new = saved.get(f.name, f.default), getattr(cfg, f.name)
         if f.name not in NOT_COMPARED and old != new:

@@ -121,6 +121,7 @@ def wrap(scorer: torch.nn.Module, *, fsdp: bool = False) -> torch.nn.Module:
     its own unit, gathered for its forward and backward. The shards stay fp32 (the master weights); a decoder layer
     computes with its weights gathered in the scorer's dtype (bf16: FSDP2's mixed-precision policy, gradients reduced
     in fp32). The root unit (embeddings, final norm, the output layer, the value head) stays fp32, as in DDP.
+    `scorer`: a model.Scorer or a critic.Critic (each names its decoder layers).
     Build the optimizer after this call: FSDP2 replaces the parameters by sharded ones (DTensors)."""
     if not active():
         return scorer
@@ -133,7 +134,7 @@ def wrap(scorer: torch.nn.Module, *, fsdp: bool = False) -> torch.nn.Module:
         return ddp
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     layers = MixedPrecisionPolicy(param_dtype=scorer.dtype, reduce_dtype=torch.float32)
-    for layer in scorer.policy.model.layers:
+    for layer in scorer.decoder_layers():  # model.Scorer's policy, or critic.Critic's trunk
         fully_shard(layer, mp_policy=layers)
     # The root too reshards after every forward: left gathered after a no-grad forward (old log-probs), its weights
     # (embeddings, output layer) got no gradient in the next backward (measured: torch 2.13, gloo).

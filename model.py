@@ -204,8 +204,8 @@ def max_positions(spec: str) -> int | None:
 
 
 def new_value_head(model) -> torch.nn.Linear:
-    """The critic's value head on the policy trunk: final hidden state -> V. Zero-initialised (V = 0 at first), fp32
-    master weights like the policy's."""
+    """`--critic head`: a value head on the policy's own trunk, final hidden state -> V. Zero-initialised (V = 0 at
+    first), fp32 master weights like the policy's. (The paper's critic is a separate network: critic.py.)"""
     head = torch.nn.Linear(model.config.hidden_size, 1)
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
@@ -275,3 +275,7 @@ class Scorer(torch.nn.Module):
         return response_logprobs(self.policy, input_ids=input_ids, attention_mask=attention_mask,
                                  response_start=response_start, temperature=temperature, with_entropy=with_entropy,
                                  value_head=self.value_head, dtype=self.dtype, top_p=top_p)
+
+    def decoder_layers(self):
+        """The policy's decoder layers: FSDP2's units (dist.wrap)."""
+        return self.policy.model.layers

@@ -13,7 +13,8 @@ the distribution it drew from (softmax(logits / T) over the top-p nucleus), so t
 (batch_logprobs' logprobs - log_mass), and the gap is the two engines' numerics alone. The ratio and the KL use the
 full softmax(logits / T).
 A minibatch whose mean ratio exceeds `max_ratio` (10) is skipped: its samples are too far off-policy to trust.
-With a value head (the PPO-critic baseline), vf_coef x the clipped value loss is added:
+With a value head on the policy's trunk (`--critic head`, the ablation of the PPO baseline), vf_coef x the clipped
+value loss is added (the paper's separate critic, `--critic separate`, is trained on its own: critic.py):
     value_loss = 0.5 * max((V - G)^2, (V_old + clip(V - V_old, -value_clip, value_clip) - G)^2)
 
 train.py's section 6 is `policy_update`; `make_optimizer` builds AdamW and its schedule (lr_factor) for train.py
@@ -157,6 +158,18 @@ def score_batch(scorer, batch: dict, P: int, *, groups: list[torch.Tensor], temp
     return out
 
 
+def minibatch_groups(groups: list[torch.Tensor], minibatch_size: int) -> list[list[torch.Tensor]]:
+    """Consecutive micro-batch `groups` (micro_batches) bundled into minibatches of minibatch_size episodes."""
+    per = max(1, minibatch_size // len(groups[0]))
+    return [groups[i:i + per] for i in range(0, len(groups), per)]
+
+
+def minibatch_tokens(batch: dict, minibatch: list[torch.Tensor]) -> float:
+    """Response tokens in a minibatch over all ranks (at least 1): what its loss is a token mean over."""
+    local = sum(batch["response_mask"][idx].sum() for idx in minibatch)
+    return dist.all_sum(torch.tensor([float(local)]))[0].clamp(min=1).item()
+
+
 def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor], epochs: int,
                minibatch_size: int, clip: float, kl_coef: float, temperature: float, max_grad_norm: float = 1.0,
                max_ratio: float = 10.0, vf_coef: float = 0.1, value_clip: float = 0.2,
@@ -176,8 +189,7 @@ def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: lis
     """
     device = next(scorer.parameters()).device
     scorer.train()
-    per = max(1, minibatch_size // len(groups[0]))
-    minibatches = [groups[i:i + per] for i in range(0, len(groups), per)]
+    minibatches = minibatch_groups(groups, minibatch_size)
     totals, steps, skipped, first_half = {}, 0, 0, None
     params = [p for group in optimizer.param_groups for p in group["params"]]
     bar = tqdm(total=epochs * len(minibatches), desc="ppo", leave=False, disable=dist.rank() > 0)
@@ -185,9 +197,7 @@ def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: lis
         for m in torch.randperm(len(minibatches), generator=generator).tolist():
             bar.update()
             halves = steps == 0 and skipped == 0 and len(minibatches[m]) >= 2 and not dist.active()  # grad_cosine
-            local_tokens = sum(batch["response_mask"][idx].sum() for idx in minibatches[m])
-            n_tokens = dist.all_sum(torch.tensor([float(local_tokens)]))[0].clamp(min=1).item()  # over all ranks
-            acc = {}
+            n_tokens, acc = minibatch_tokens(batch, minibatches[m]), {}
             for j, idx in enumerate(minibatches[m]):
                 mb, p = trim(batch, idx, P)
                 mb = {k: v.to(device) for k, v in mb.items()}
@@ -275,8 +285,9 @@ def policy_update(scorer, reference_scorer, optimizer, scheduler, batch: dict, P
                   sampler_logprobs: list[list[float]], cfg) -> dict:
     """train.py's section 6: the log-probs of the sampling policy (unless the critic's pass left them in `batch`) and
     of the reference, then the clipped updates (ppo_update). The sampler computed its own log-probs of the same
-    tokens: their gap is measured (mismatch_*) and, with --tis-cap, corrected. Returns the update's stats and the
-    mismatch's, means over all ranks."""
+    tokens: their gap is measured (mismatch_*) and, with --tis-cap, corrected. With a critic's values in `batch`,
+    value_error: the token mean |V - return| before the update. Returns the update's stats and these, means over all
+    ranks. (A separate critic, --critic separate, is trained after this: critic.critic_update.)"""
     if "old_logprobs" not in batch:
         batch["old_logprobs"], _, batch["log_mass"] = batch_logprobs(scorer, batch, P, groups=groups,
                                                                      temperature=cfg.temperature, top_p=cfg.top_p)
@@ -289,6 +300,9 @@ def policy_update(scorer, reference_scorer, optimizer, scheduler, batch: dict, P
                                                    mask=mask), weight=mask.sum().item())  # token means, all ranks
     if cfg.tis_cap > 0:
         batch["tis_weights"] = tis_weights(old_logprobs=trainer_sampled, sampler_logprobs=sampled, cap=cfg.tis_cap)
+    if "returns" in batch:  # the critic's (either kind's) error on these fresh samples, before any update on them
+        error = ((batch["old_values"] - batch["returns"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
+        mismatch["value_error"] = dist.weighted_mean({"e": error}, weight=mask.sum().item())["e"]
     stats = ppo_update(scorer, optimizer, scheduler, batch, P, groups=groups, epochs=cfg.epochs,
                        minibatch_size=cfg.minibatch_size // dist.world(),  # this rank's share of each step
                        clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,

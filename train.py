@@ -19,6 +19,7 @@ from advantages import advantages_for, values_for
 from checkpoint import (GracefulStop, Saver, load_value_head, open_run, pause_point, record_start, repair_metrics,
                         restore)
 from config import Config, config_changes, parse_config
+from critic import critic_update, open_critic
 from data import input_problem, load_splits
 from grader import grade
 from model import (Scorer, load_model, load_tokenizer, max_positions, new_value_head, pick_device, pick_dtype,
@@ -30,7 +31,7 @@ from sampling import row_seed
 
 
 def main(cfg: Config):
-    # Setup: ranks, the run folder (resumed if asked), data, the policy / reference / value head, sampler, AdamW
+    # Setup: ranks, the run folder (resumed if asked), data, the policy / reference / critic, sampler, AdamW
     device = pick_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -59,8 +60,9 @@ def main(cfg: Config):
                         trust_remote_code=cfg.trust_remote_code)
     reference = load_model(cfg.model, device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
                            frozen=True)  # fp32 like the policy: in bf16, KL(policy || reference) starts at 0.011
-    value_head = new_value_head(policy) if cfg.estimator == "critic" else None
+    value_head = new_value_head(policy) if cfg.critic == "head" else None  # the ablation: a head on the policy
     load_value_head(source, value_head)
+    critic = open_critic(cfg, source=source, device=device, dtype=dtype)  # --critic separate: the paper's PPO
     stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
     sampler = make_sampler(backend, policy=policy, tokenizer=tokenizer, dtype=dtype, stop_strings=stop_strings,
                            batch_size=cfg.gen_batch_size, engine=engine)
@@ -74,14 +76,14 @@ def main(cfg: Config):
     start, train_seconds = 0, 0.0
     if state:
         start, train_seconds = restore(state, scorer=scorer, optimizer=optimizer, scheduler=scheduler, rng=rng,
-                                       lrs=[cfg.lr, cfg.value_lr])
+                                       lrs=[cfg.lr, cfg.value_lr], critic=critic)
         if rank == 0:
             repair_metrics(out_dir / "metrics.jsonl", upto=start)
         dist.print0(f"resumed from {source} at iteration {start}")
     sampler.sync(policy)
     runlog = RunLog(out_dir, cfg, total=cfg.iterations, first=start, track=cfg.track)  # metrics.jsonl, --track
     saver = Saver(out_dir, rng=rng, completed=start, train_seconds=train_seconds, scorer=scorer, policy=policy,
-                  value_head=value_head, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, cfg=cfg)
+                  value_head=value_head, critic=critic, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, cfg=cfg)
     clock = Clock(train_seconds, budget=cfg.time_budget, eval_every=cfg.eval_every_seconds)
     stop = GracefulStop()
     if dist.active():
@@ -118,10 +120,10 @@ def main(cfg: Config):
             batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
             micro = micro_batches(len(rewards), size=cfg.micro_batch_size)  # the same groups for every pass
 
-            # 4. Values. vine: split into steps, K vines from the state before every step. critic: the value head.
+            # 4. Values. vine: split into steps, K vines from the state before every step. critic: the critic's V.
             meter.start()
             values, starts, value_stats = values_for(cfg.estimator, episodes=episodes, rewards=rewards, batch=batch,
-                                                     P=P, micro=micro, sampler=sampler, scorer=scorer,
+                                                     P=P, micro=micro, sampler=sampler, scorer=scorer, critic=critic,
                                                      tokenizer=tokenizer, cfg=cfg, seed=row_seed(seed, 1))
             meter.stop("values")
 
@@ -138,6 +140,7 @@ def main(cfg: Config):
             lr = optimizer.param_groups[0]["lr"]
             ppo_stats = policy_update(scorer, reference_scorer, optimizer, scheduler, batch, P, groups=micro,
                                       sampler_logprobs=[s.logprobs for s in episodes.samples], cfg=cfg)
+            ppo_stats.update(critic_update(critic, batch, P, groups=micro, cfg=cfg))  # a separate critic's turn
             return_free_memory()  # the update's freed activations, which the heap would keep
             meter.stop("ppo")
             pause_point("ppo", it + 1)

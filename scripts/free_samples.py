@@ -27,7 +27,11 @@ from scripts.testbed import SFT_SETTINGS, arm_grid, grid_arguments, grid_choices
 
 OUT = "runs/free-samples"  # the default output, ignored by git (the committed grid: --out results/free-samples)
 ARMS = {"vine": ["--estimator", "vine"], "vine-free": ["--estimator", "vine", "--free-samples", "topup"],
-        "grpo": ["--estimator", "grpo"]}
+        "grpo": ["--estimator", "grpo"],
+        # issue 58, added after the grid above: the paper's PPO (a separate critic; its value lr from
+        # results/free-samples/value-lr-sweep) and the head it replaces (testbed SETTINGS' value lr 1e-3)
+        "critic-separate": ["--estimator", "critic", "--critic", "separate"],
+        "critic-head": ["--estimator", "critic", "--critic", "head"]}
 BATCH = 64 * 8  # responses an iteration (SETTINGS)
 
 

@@ -40,7 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root: train.py a
 
 ESTIMATORS = {"vine": ["--estimator", "vine"],  # K = 9
               "vine-adaptive": ["--estimator", "vine", "--k-mode", "adaptive", "--k-ci", "0.45"],  # docs/adaptive-k.md
-              "critic": ["--estimator", "critic"], "grpo": ["--estimator", "grpo"], "rloo": ["--estimator", "rloo"]}
+              # the committed grids' critic arms ran a head on the policy's trunk (before issue 58 the only critic):
+              # pinned, so that they reproduce; the paper's separate critic is scripts.free_samples' critic-separate
+              "critic": ["--estimator", "critic", "--critic", "head"],
+              "grpo": ["--estimator", "grpo"], "rloo": ["--estimator", "rloo"]}
 SETTINGS = ["--dataset", "arith", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "96",
             "--lr", "2e-5", "--no-lr-decay", "--value-lr", "1e-4", "--minibatch-size", "8", "--micro-batch-size", "8",
             "--eval-size", "200", "--eval-samples", "4", "--eval-every-seconds", "120", "--eval-every", "1000",
