@@ -30,7 +30,7 @@ ARMS = {"vine": ["--estimator", "vine"], "vine-free": ["--estimator", "vine", "-
         "grpo": ["--estimator", "grpo"],
         # issue 58, added after the grid above: the paper's PPO (a separate critic; its value lr from
         # results/free-samples/value-lr-sweep) and the head it replaces (testbed SETTINGS' value lr 1e-3)
-        "critic-separate": ["--estimator", "critic", "--critic", "separate"],
+        "critic-separate": ["--estimator", "critic", "--critic", "separate", "--value-lr", "1e-3"],
         "critic-head": ["--estimator", "critic", "--critic", "head"]}
 BATCH = 64 * 8  # responses an iteration (SETTINGS)
 

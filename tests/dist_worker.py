@@ -3,7 +3,8 @@
 share; rank 0 writes what the test compares (OUT, a torch file).
 
 Cases: ppo, ppo-critic, ppo-fsdp (one PPO iteration of a tiny random Llama, 8 episodes whose response lengths differ
-a lot between the first and the second half), sft, sft-fsdp (one sft.py step of it on 8 such instances, then its
+a lot between the first and the second half), critic-separate, critic-separate-fsdp (the separate critic's value
+update on the same episodes), sft, sft-fsdp (one sft.py step of it on 8 such instances, then its
 final model saved), split (estimate_values with a fake sampler that records the states it is asked to continue).
 """
 import sys
@@ -73,6 +74,34 @@ def ppo_case(case: str) -> dict:
     weights = dist.full_state_dict(policy)
     if value_head is not None:
         weights.update({f"value_head.{k}": v for k, v in dist.full_state_dict(value_head).items()})
+    return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "start": start, "stats": stats}
+
+
+def critic_case(case: str) -> dict:
+    """Two steps of critic.value_update (SGD) on the same episodes and pairs as ppo_case: the separate critic, a copy
+    of the tiny model's trunk with a small random head, under DDP or FSDP2."""
+    from critic import Critic, SeparateCritic, value_update
+    rank, world = dist.rank(), dist.world()
+    prompts, responses, _, returns = episodes()
+    pairs = [[0, 1], [4, 5], [2, 3], [6, 7]]
+    mine = [i for pair in pairs[rank::world] for i in pair]
+    ids, attn, resp, P = pad_episodes([prompts[i] for i in mine], [responses[i] for i in mine], pad_id=0)
+    width = resp.shape[1]
+    torch.manual_seed(4)
+    head = torch.nn.Linear(32, 1)
+    model = Critic(tiny_policy().model, head)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    module = dist.wrap(model, fsdp=case.endswith("fsdp"))
+    groups = [torch.tensor([2 * j, 2 * j + 1]) for j in range(len(mine) // 2)]
+    batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp,
+             "returns": pad_rows([returns[i] for i in mine], width), "old_values": torch.zeros(len(mine), width)}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    torch.manual_seed(3)
+    stats = value_update(SeparateCritic(model, module, optimizer, scheduler, 0.5), batch, P, groups=groups, epochs=1,
+                         minibatch_size=4 // world, value_clip=10.0, max_grad_norm=1.0)
+    stats["optimizer_steps"], stats["loss"] = stats.pop("value_steps"), stats["value_loss"]
+    weights = dist.full_state_dict(model)
     return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "start": start, "stats": stats}
 
 
@@ -153,7 +182,8 @@ if __name__ == "__main__":
     case, out = sys.argv[1], sys.argv[2]
     dist.init(torch.device("cpu"))
     torch.set_num_threads(1)
-    result = split_case() if case == "split" else sft_case(case, out) if case.startswith("sft") else ppo_case(case)
+    result = split_case() if case == "split" else sft_case(case, out) if case.startswith("sft") else \
+        critic_case(case) if case.startswith("critic") else ppo_case(case)
     if dist.rank() == 0:
         torch.save(result, out)
     dist.finish()

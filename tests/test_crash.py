@@ -62,8 +62,8 @@ def test_kill_at_every_point_then_resume(tmp_path, smol_path):
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0 and "resumed from" in log, log
     assert iterations(out) == [0, 1, 2, 3]  # each iteration exactly once
-    assert committed(out) == "ckpt-000003" and not list(out.glob(".tmp-ckpt-*"))
-    model = AutoModelForCausalLM.from_pretrained(out / "ckpt-000003")
+    assert committed(out) == "ckpt-000002" and not list(out.glob(".tmp-ckpt-*"))
+    model = AutoModelForCausalLM.from_pretrained(out / "ckpt-000002")
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
@@ -80,7 +80,7 @@ def test_sigterm_during_an_update_finishes_the_iteration_and_saves(tmp_path, smo
     proc = start(out, "--resume", "--iterations", "3")  # a changed --iterations is applied
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "applying changed flags: --iterations 4 -> 3" in log, log
-    assert iterations(out) == [0, 1, 2, 3] and committed(out) == "ckpt-000003"
+    assert iterations(out) == [0, 1, 2, 3] and committed(out) == "ckpt-000002"
 
 
 @pytest.mark.slow  # end to end: real train.py / torchrun processes
@@ -95,3 +95,39 @@ def test_resume_with_a_run_defining_flag_changed_stops_at_once(tmp_path, smol_pa
     log = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0 and log.strip().splitlines()[-1].startswith("error: --resume: flags that define")
     assert "--k 2 -> 3" in log and "--estimator vine -> grpo" in log
+
+
+NOT_COMPARED = ("seconds", "mem_gb", "tokens_per_s", "train_seconds", "comm_bytes")  # timings and memory
+
+
+@pytest.mark.slow  # end to end: real train.py processes, the policy, reference and critic each a SmolLM2
+def test_kill_inside_the_separate_critics_update_then_resume_exactly(tmp_path, smol_path):
+    """--estimator critic (the separate critic): SIGKILL after the critic's first step of iteration 2 (its policy
+    updated, the critic half-way), then --resume: each iteration's metrics once, and every one of them as an
+    uninterrupted run's; the checkpoint holds the critic as a Hugging Face folder that loads without code."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    proc = start(straight, "--estimator", "critic", "--iterations", "2")
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, log
+    proc = start(cut, "--estimator", "critic", "--iterations", "2", pause="critic:3")  # 2 critic steps an iteration
+    wait_for(proc, "paused at critic:3")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert committed(cut) == "ckpt-000001" and iterations(cut) == [0, 1]
+    proc = start(cut, "--estimator", "critic", "--iterations", "2", "--resume")
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0 and "resumed from" in log, log
+    assert iterations(cut) == [0, 1, 2]
+    a, b = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (straight, cut))
+    for x, y in zip(a, b):
+        assert "value_loss" in x or x["iteration"] == 0
+        assert {k: v for k, v in x.items() if not k.startswith(NOT_COMPARED)} == \
+               {k: v for k, v in y.items() if not k.startswith(NOT_COMPARED)}, x["iteration"]
+    folder = cut / "ckpt-000002" / "critic"
+    assert AutoModel.from_pretrained(folder).config.hidden_size == 576 and not (cut / "ckpt-000002" / "value_head.pt").exists()
+    assert set(load_file(folder / "value_head.safetensors")) == {"weight", "bias"}
+    for run in (straight, cut):  # the critic the run ended with is the same
+        assert load_file(run / "ckpt-000002" / "critic" / "value_head.safetensors")["bias"].item() == \
+            load_file(straight / "ckpt-000002" / "critic" / "value_head.safetensors")["bias"].item()

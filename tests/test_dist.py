@@ -25,7 +25,7 @@ def run_worker(case: str, out: Path, *, ranks: int) -> dict:
     return torch.load(out, weights_only=False)  # our own test output
 
 
-@pytest.mark.parametrize("case", ["ppo", "ppo-critic", "ppo-fsdp"])
+@pytest.mark.parametrize("case", ["ppo", "ppo-critic", "ppo-fsdp", "critic-separate", "critic-separate-fsdp"])
 @pytest.mark.slow  # end to end: real train.py / torchrun processes
 def test_two_ranks_with_half_the_episodes_each_take_the_one_rank_step(tmp_path, case):
     """Two PPO steps (SGD: the step is the gradient, scale included) on 2 ranks x 4 episodes leave the parameters
@@ -38,8 +38,9 @@ def test_two_ranks_with_half_the_episodes_each_take_the_one_rank_step(tmp_path, 
     assert moved > 1e-3  # the step is real
     for name, w in one["weights"].items():
         assert torch.allclose(w, two["weights"][name], atol=3e-6, rtol=0), (name, (w - two["weights"][name]).abs().max())
-    for key in ("loss", "ratio", "approx_kl", "kl_ref", "entropy", "grad_norm") + (("value_loss",) if "critic" in case
-                                                                                   else ()):
+    keys = ("value_loss", "value_grad_norm") if case.startswith("critic") else \
+        ("loss", "ratio", "approx_kl", "kl_ref", "entropy", "grad_norm") + (("value_loss",) if "critic" in case else ())
+    for key in keys:
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
 
 

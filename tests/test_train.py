@@ -143,7 +143,7 @@ def test_baseline_estimators_run_in_the_same_loop(tmp_path, smol_path, estimator
     record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     assert "vines" not in record and record["optimizer_steps"] >= 1
     assert ("value_loss" in record) == (estimator == "critic")
-    assert (out / "ckpt-000001" / "value_head.pt").exists() == (estimator == "critic")
+    assert (out / "ckpt-000001" / "critic" / "value_head.safetensors").exists() == (estimator == "critic")  # separate
 
 
 FOLDER_ROWS = {"number": [("Tom has 3 apples and buys 4 more. How many apples does he have?", "7"),
