@@ -221,6 +221,7 @@ def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head
     policy_state = dist.full_state_dict(policy) if sharded else None  # None: save_pretrained takes its own
     head_state = dist.full_state_dict(value_head) if value_head is not None else None
     optimizer_state, torch_rngs = dist.optimizer_state(scorer, optimizer), dist.all_gather(torch_rng)
+    critic_state, critic_extra = None, {}
     if critic is not None:  # a separate critic (critic.SeparateCritic): its weights, optimizer and schedule
         critic_state = dist.full_state_dict(critic.model)
         critic_extra = {"critic_optimizer": dist.optimizer_state(critic.module, critic.optimizer),
@@ -232,12 +233,12 @@ def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head
             tokenizer.save_pretrained(tmp)
             if head_state is not None:
                 torch.save(head_state, tmp / "value_head.pt")
-            if critic is not None:
+            if critic_state is not None:
                 save_critic(tmp / "critic", critic.model, critic_state)
             pause_point("save", iteration)
             torch.save({"iteration": iteration, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
                         "python_rng": python_rng, "torch_rng": torch_rngs, "config": dataclasses.asdict(cfg),
-                        "train_seconds": train_seconds, **(critic_extra if critic is not None else {})},
+                        "train_seconds": train_seconds, **critic_extra},
                        tmp / "trainer_state.pt")
         except (OSError, RuntimeError) as e:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -83,7 +83,8 @@ def main(cfg: Config):
     sampler.sync(policy)
     runlog = RunLog(out_dir, cfg, total=cfg.iterations, first=start, track=cfg.track)  # metrics.jsonl, --track
     saver = Saver(out_dir, rng=rng, completed=start, train_seconds=train_seconds, scorer=scorer, policy=policy,
-                  value_head=value_head, critic=critic, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, cfg=cfg)
+                  value_head=value_head, critic=critic, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+                  cfg=cfg)
     clock = Clock(train_seconds, budget=cfg.time_budget, eval_every=cfg.eval_every_seconds)
     stop = GracefulStop()
     if dist.active():
