@@ -9,8 +9,9 @@ predictions, to the true value of a state under the same policy?
    screening continuations disagree), for a confident policy whose states are mostly worth 0 or 1. Steps are
    train.py's --step-split (default auto: the text rule), so each branching rule gets its own states.
 2. Ground truth: V = mean reward of --ground-truth (256) continuations from each state.
-3. Estimates: VinePPO with K in --ks (1, 3, 9), from fresh continuations; and, when the checkpoint has a value head
-   (a `--estimator critic` run), the critic's prediction.
+3. Estimates: VinePPO with K in --ks (1, 3, 9), from fresh continuations; and, for a `--estimator critic` run's
+   checkpoint, the critic's prediction: its critic/ folder (`--critic separate`, the paper's separate network) or
+   its value_head.pt (`--critic head`, a head on the policy's trunk).
 4. Report each estimator's mean absolute error (the MC one also in expectation: E|Binomial(K, V)/K - V|) and how
    often it orders the two siblings of a pair like the ground truth does (pairs whose true values differ by at least
    0.05). Writes value_error.json and value_error.png into --out.
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import load_value_head
+from critic import load_critic
 from config import step_split_problem
 from data import encode_prompt, load_split
 from engine import HFSampler
@@ -117,6 +119,17 @@ def critic_values(model, value_head, states: list[dict]) -> list[float]:
         ids = torch.tensor([s["prompt"] + s["prefix"]])
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
         out.append(value_head(hidden).item())
+    return out
+
+
+@torch.no_grad()
+def separate_critic_values(critic, states: list[dict]) -> list[float]:
+    """A separate critic's (critic.Critic) V of each state: its head on its own trunk's last hidden state."""
+    out = []
+    for s in states:
+        ids = torch.tensor([s["prompt"] + s["prefix"]])
+        hidden = critic.trunk(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
+        out.append(critic.head(hidden.float()).item())
     return out
 
 
@@ -225,11 +238,14 @@ def main():
     mc_scores, _ = mc_rollouts(K=max(ks), seed=args.seed + 2, **rollout)  # fresh samples, independent of the truth
     truth = [sum(s) / len(s) for s in truth_scores]
     estimates = {f"vine K={k}": [sum(s[:k]) / k for s in mc_scores] for k in ks}
-    head_path = Path(args.checkpoint) / "value_head.pt"
-    if head_path.exists():
+    critic_kind = None
+    if (Path(args.checkpoint) / "critic").is_dir():  # --critic separate: its own network, loaded without code
+        critic = load_critic(str(Path(args.checkpoint) / "critic"), device=torch.device("cpu"), dtype=torch.float32)
+        critic_kind, estimates["critic"] = "separate", separate_critic_values(critic, states)
+    elif (Path(args.checkpoint) / "value_head.pt").exists():  # --critic head
         head = new_value_head(model)
         load_value_head(Path(args.checkpoint), head)  # without running code, as train.py's resume
-        estimates["critic"] = critic_values(model, head, states)
+        critic_kind, estimates["critic"] = "head", critic_values(model, head, states)
     summary = {name: {"mae": sum(abs(e - t) for e, t in zip(est, truth)) / len(truth),
                       "ranking_accuracy": ranking_accuracy(est, truth)} for name, est in estimates.items()}
     for k in ks:
@@ -242,8 +258,8 @@ def main():
         summary.update({f"rule {rule} (expected)": row for rule, row in expected.items()})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"checkpoint": args.checkpoint, "step_split": args.step_split, "states": len(states),
-              "ground_truth_samples": args.ground_truth,
+    report = {"checkpoint": args.checkpoint, "critic": critic_kind, "step_split": args.step_split,
+              "states": len(states), "ground_truth_samples": args.ground_truth,
               "summary": summary, "per_state": [{"pair": s["pair"], "truth": t, **{n: e[i] for n, e in estimates.items()}}
                                                 for i, (s, t) in enumerate(zip(states, truth))]}
     (out / "value_error.json").write_text(json.dumps(report, indent=1))

@@ -43,6 +43,8 @@ ESTIMATORS = {"vine": ["--estimator", "vine"],  # K = 9
               # the committed grids' critic arms ran a head on the policy's trunk (before issue 58 the only critic):
               # pinned, so that they reproduce; the paper's separate critic is scripts.free_samples' critic-separate
               "critic": ["--estimator", "critic", "--critic", "head"],
+              # issue 58: the paper's PPO, a separate critic network (its value lr: SETTINGS' --value-lr)
+              "critic-separate": ["--estimator", "critic", "--critic", "separate"],
               "grpo": ["--estimator", "grpo"], "rloo": ["--estimator", "rloo"]}
 SETTINGS = ["--dataset", "arith", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "96",
             "--lr", "2e-5", "--no-lr-decay", "--value-lr", "1e-4", "--minibatch-size", "8", "--micro-batch-size", "8",

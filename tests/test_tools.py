@@ -292,3 +292,26 @@ def test_replicate_bad_seeds_is_a_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="--seeds: expected comma-separated non-negative integers, got '0,x'"):
         replicate.main()
 
+
+
+def test_diagnose_reads_a_separate_critic_as_training_does(tmp_path):
+    """scripts.diagnose's V of a state from a saved --critic separate critic (ckpt-*/critic/) is what training's
+    Critic.forward gives before the token after that state; a nonzero head, so a zero head cannot pass."""
+    import torch
+    from checkpoint import save_critic
+    from critic import Critic, load_critic
+    from dist_worker import tiny_policy
+    from scripts.diagnose import separate_critic_values
+    head = torch.nn.Linear(32, 1)
+    torch.nn.init.normal_(head.weight, std=0.5)
+    critic = Critic(tiny_policy().model, head)
+    save_critic(tmp_path, critic, critic.state_dict())
+    loaded = load_critic(str(tmp_path), device=torch.device("cpu"), dtype=torch.float32)
+    states = [{"prompt": [1, 5, 7], "prefix": [9, 11]}, {"prompt": [1, 2], "prefix": [3, 4, 6, 8]}]
+    got = separate_critic_values(loaded, states)
+    for s, v in zip(states, got):
+        ids = torch.tensor([s["prompt"] + s["prefix"] + [0]])  # one more token: forward gives V before each one
+        with torch.no_grad():
+            want = critic(ids, torch.ones_like(ids), response_start=len(s["prompt"] + s["prefix"]))[0, 0].item()
+        assert v == pytest.approx(want, abs=1e-5)
+    assert abs(got[0] - got[1]) > 1e-4  # the states are told apart
