@@ -167,11 +167,13 @@ def hub_split(dataset: str, split: str) -> list[dict]:
 
 
 def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_ops: int = 1,
-               arith_max: int = 20, arith_size: int = 5000, chain_filler: int = 0) -> list[dict]:
+               arith_max: int = 20, arith_size: int = 5000, chain_filler: int = 0, chain_bug: str = "none",
+               chain_bug_rate: float = 0.0) -> list[dict]:
     """Examples ({"question", "answer", "solution"}) of one split. gsm8k, math: from `data_dir` (or
     $VINEPPO_DATA_DIR) if given, "hub" meaning the Hub, else the shipped copy. A folder of your own: its
     <split>.jsonl. arith, chain: generated (the test split is the first 500 problems of its own seed that are not in
-    train; the validation split, the first 500 of a third seed in neither)."""
+    train; the validation split, the first 500 of a third seed in neither). chain_bug: the train split's solutions
+    only (the SFT demonstrations); the other splits' stay right."""
     problem = dataset_problem(dataset)
     if problem or split not in SPLITS and not (split == "validation" and dataset in ("arith", "chain")):
         raise SystemExit(f"error: --dataset {dataset}: {problem}" if problem else
@@ -180,6 +182,9 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
     if dataset in ("arith", "chain"):
         make = make_arith if dataset == "arith" else partial(make_chain, filler=chain_filler)
         rows = train = make(arith_size, seed=0, ops=arith_ops, max_number=arith_max)
+        if split == "train" and chain_bug != "none":  # the same problems, a buggy solver's demonstrations
+            rows = make_chain(arith_size, seed=0, ops=arith_ops, max_number=arith_max, filler=chain_filler,
+                              bug=chain_bug, bug_rate=chain_bug_rate)
         if split in ("test", "validation"):  # validation: sft.py's --stop-at, never the test problems
             seen = {e["question"] for e in train}
             test = [e for e in make(4 * 500, seed=1, ops=arith_ops, max_number=arith_max)
@@ -188,6 +193,7 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
             rows = test if split == "test" else [e for e in make(4 * 500, seed=2, ops=arith_ops, max_number=arith_max)
                                                  if e["question"] not in seen][:500]
         fill = f" --chain-filler {chain_filler}" if chain_filler else ""
+        fill += f" --chain-bug {chain_bug}" if split == "train" and chain_bug != "none" else ""
         return [{**e, "where": f"--dataset {dataset} --arith-ops {arith_ops}{fill}: {split} problem {i + 1}"}
                 for i, e in enumerate(rows)]
     if task_of(dataset) == "custom":
@@ -201,10 +207,12 @@ def load_split(dataset: str, split: str, *, data_dir: str | None = None, arith_o
 
 
 def load_splits(dataset: str, *, data_dir: str | None, arith_ops: int, arith_max: int, eval_size: int,
-                chain_filler: int = 0) -> tuple[list[dict], list[dict]]:
+                chain_filler: int = 0, chain_bug: str = "none",
+                chain_bug_rate: float = 0.0) -> tuple[list[dict], list[dict]]:
     """(the train split, the first eval_size problems of the test split): what train.py and sft.py work on."""
     train, test = (load_split(dataset, split, data_dir=data_dir, arith_ops=arith_ops, arith_max=arith_max,
-                              chain_filler=chain_filler) for split in ("train", "test"))
+                              chain_filler=chain_filler, chain_bug=chain_bug, chain_bug_rate=chain_bug_rate)
+                   for split in ("train", "test"))
     return train, test[:eval_size]
 
 
@@ -313,13 +321,49 @@ def make_arith(count: int, *, seed: int, ops: int, max_number: int) -> list[dict
     return examples
 
 
-def make_chain(count: int, *, seed: int, ops: int, max_number: int, filler: int = 0) -> list[dict]:
+CHAIN_BUGS = {"none": "", "borrow": "-", "borrow-carry": "-+"}  # --chain-bug: the operations whose lines it bugs
+
+
+def buggy_result(a: int, op: str, b: int) -> int | None:
+    """A solver's consistent bug, or None where it does not apply: a subtraction that needs a borrow done without it
+    (each digit the smaller from the larger: 32-17=25), an addition that needs a carry done without it (each digit
+    sum mod 10: 38+25=53)."""
+    if a < 0 or b < 0 or op not in "+-" or op == "-" and a < b:
+        return None
+    da, db = str(a)[::-1], str(b)[::-1].ljust(len(str(a)), "0")  # digits, units first
+    if op == "-" and all(x >= y for x, y in zip(da, db)) or op == "+" and all(
+            int(x) + int(y) < 10 for x, y in zip(da.ljust(len(db), "0"), db)):
+        return None  # no borrow (carry) needed: the solver gets it right
+    if op == "-":
+        return int("".join(str(abs(int(x) - int(y))) for x, y in zip(da, db))[::-1])
+    return int("".join(str((int(x) + int(y)) % 10) for x, y in zip(da.ljust(len(db), "0"), db))[::-1])
+
+
+def bugged_solution(question: str, *, ops: str, rate: float, rng: random.Random) -> str:
+    """The chain solution of a solver that applies buggy_result to each line of an operation in `ops` that needs a
+    borrow (carry) with probability `rate`, and goes on from what it wrote: the demonstrations of --chain-bug."""
+    start, *steps = question.split(" ")
+    value, lines = int(start), []
+    for step in steps:
+        op, b = step[0], int(step[1:])
+        right = value + b if op == "+" else value - b if op == "-" else value * b
+        wrong = buggy_result(value, op, b) if op in ops else None
+        new = wrong if wrong is not None and rng.random() < rate else right
+        lines.append(f"{value}{op}{b}={new}")
+        value = new
+    return "\n".join(lines) + f"\n####{value}"
+
+
+def make_chain(count: int, *, seed: int, ops: int, max_number: int, filler: int = 0, bug: str = "none",
+               bug_rate: float = 0.0) -> list[dict]:
     """make_arith's problems (the same numbers for the same seed) written compactly, for the from-scratch testbed:
     question "13 *3 -3 -30 -4" (the start, then each operation), solution one "a op b = c" line per operation without
     spaces, then "####N": "13*3=39\n39-3=36\n36-30=6\n6-4=2\n####2". filler: that many lines "~x" more, x a tag
     drawn uniformly from FILLER_TAGS that the reward ignores, dealt round-robin into the gaps after the operation
-    lines (the first gap first): the horizon grows, the arithmetic does not (the credit issue's filler control)."""
-    examples, tags = [], random.Random(f"filler {seed}")
+    lines (the first gap first): the horizon grows, the arithmetic does not (the credit issue's filler control).
+    bug (a CHAIN_BUGS key): the solutions are a buggy solver's (bugged_solution, at bug_rate), the answers still the
+    right ones: demonstrations that SFT cannot see past (the paper-regime tasks, docs/paper-regime.md)."""
+    examples, tags, coins = [], random.Random(f"filler {seed}"), random.Random(f"bug {seed}")
     for e in make_arith(count, seed=seed, ops=ops, max_number=max_number):
         steps = [line.split(" ") for line in e["solution"].split("\n")[:-1]]  # ["13", "*", "3", "=", "39"]
         question = " ".join([steps[0][0]] + [op + b for _, op, b, _, _ in steps])
@@ -327,5 +371,7 @@ def make_chain(count: int, *, seed: int, ops: int, max_number: int, filler: int 
         for i in range(filler):
             lines[i % ops].append("~" + tags.choice(FILLER_TAGS))
         solution = "\n".join(line for gap in lines for line in gap) + f"\n####{e['answer']}"
+        if CHAIN_BUGS[bug]:
+            solution = bugged_solution(question, ops=CHAIN_BUGS[bug], rate=bug_rate, rng=coins)
         examples.append({"question": question, "answer": e["answer"], "solution": solution})
     return examples

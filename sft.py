@@ -12,16 +12,19 @@ then linear decay (ppo.make_optimizer); pass@1 on the test split before and afte
     OUT/ckpt-NNNNNN/, OUT/latest                          the last checkpoint, for --resume (checkpoint.py)
 
 --stop-at P ends the run at the first check (every --stop-every steps) where greedy pass@1 on the validation split
-reaches P: a start at a chosen pass@1 for tasks of different difficulty (the credit issue's lengths).
+reaches P: a start at a chosen pass@1 for tasks of different difficulty (the credit issue's lengths). --keep-best
+checks the same pass@1 and ends with the best checkpoint, as the paper's SFT (run to convergence, the lr decayed).
 
 Under torchrun (`torchrun --nproc_per_node=N sft.py ...`, dist.py) each rank takes batch_size / N instances of every
 step, DDP or --fsdp (FSDP2), and rank 0 writes the files; the step is the one a single process takes.
 Shapes: B = instances in a micro-batch, P = prompt length (left-padded), R = target length (right-padded), T = P + R.
 """
 import dataclasses
+import json
 import os
 import random
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -89,11 +92,18 @@ class SFTConfig:
     arith_ops: int = arg(1, "arith: operations per problem")
     arith_max: int = arg(20, "arith: largest starting number / addend")
     chain_filler: int = arg(0, "chain: filler lines after the operation lines (as train.py)")
+    chain_bug: str = arg("none", "chain: the train demonstrations are a buggy solver's, the answers still right: borrow "
+                                 "(a subtraction that needs a borrow done without it) or borrow-carry (and an addition "
+                                 "without its carry), on --chain-bug-rate of those lines (docs/paper-regime.md)",
+                         choices=["none", "borrow", "borrow-carry"])
+    chain_bug_rate: float = arg(0.7, "--chain-bug: the share of the lines needing a borrow (carry) done wrong")
     save_every: int = arg(100, "write a checkpoint every this many steps (and at the end, and on Ctrl-C)")
     stop_at: float = arg(0.0, "stop once greedy pass@1 on the validation split (arith, chain: problems in neither "
                               "train nor test) reaches this; 0: off (a start at a chosen pass@1, whatever the task)")
-    stop_every: int = arg(25, "--stop-at: check every this many steps")
-    stop_size: int = arg(200, "--stop-at: validation problems checked")
+    stop_every: int = arg(25, "--stop-at, --keep-best: check every this many steps")
+    stop_size: int = arg(200, "--stop-at, --keep-best: validation problems checked")
+    keep_best: bool = arg(False, "the final model is the checkpoint of best greedy validation pass@1 (checked every "
+                                 "--stop-every steps; the paper's SFT), kept in --out-dir/best while the run goes")
     resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
     overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run")
     trust_remote_code: bool = arg(False, "allow model repositories to run their own code")
@@ -104,7 +114,8 @@ class SFTConfig:
 
 # A resumed run must have these as saved; the others (max-steps, lr, eval flags, ...) may change.
 SFT_DEFINING = ("dataset", "grader", "model", "prompt_format", "seed", "epochs", "batch_size", "max_length",
-                "arith_ops", "arith_max", "chain_filler", "scratch_layers", "scratch_width", "scratch_heads")
+                "arith_ops", "arith_max", "chain_filler", "chain_bug", "chain_bug_rate", "scratch_layers",
+                "scratch_width", "scratch_heads")
 
 
 def defining_changes(saved: dict, cfg: SFTConfig) -> list[str]:
@@ -138,12 +149,21 @@ def parse_sft_config(argv=None) -> SFTConfig:
     if cfg.chain_filler < 0 or cfg.chain_filler and cfg.dataset != "chain":
         parser.error(f"--chain-filler takes 0 or more filler lines, with --dataset chain only (got {cfg.chain_filler} "
                      f"with --dataset {cfg.dataset})")
+    if cfg.chain_bug != "none" and (cfg.dataset != "chain" or cfg.chain_filler or not 0 < cfg.chain_bug_rate <= 1):
+        parser.error(f"--chain-bug {cfg.chain_bug} takes --dataset chain without --chain-filler and a "
+                     f"--chain-bug-rate in (0, 1] (got --dataset {cfg.dataset}, --chain-filler {cfg.chain_filler}, "
+                     f"--chain-bug-rate {cfg.chain_bug_rate})")
+    if cfg.keep_best and (cfg.dataset not in ("arith", "chain") or cfg.stop_at):
+        parser.error(f"--keep-best checks the validation split of arith or chain, without --stop-at (got --dataset "
+                     f"{cfg.dataset}, --stop-at {cfg.stop_at})")
     if not 0 <= cfg.stop_at <= 1 or cfg.stop_at and cfg.dataset not in ("arith", "chain"):
         parser.error(f"--stop-at takes a pass@1 in [0, 1], with --dataset arith or chain only (got {cfg.stop_at} with "
                      f"--dataset {cfg.dataset})")
     if cfg.max_steps < 0:
         parser.error(f"--max-steps must be 0 (epochs) or above (got {cfg.max_steps})")
     world = int(os.environ.get("WORLD_SIZE", "1"))  # ranks under torchrun; --batch-size is global
+    if cfg.keep_best and world > 1:
+        parser.error("--keep-best runs in one process (the testbed's tiny models), not under torchrun")
     if cfg.batch_size % (world * cfg.micro_batch_size):
         parser.error(f"--batch-size ({cfg.batch_size}) must be a multiple of --micro-batch-size "
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
@@ -245,17 +265,56 @@ def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, ba
     return {"loss": total, "grad_norm": grad_norm, "tokens": int(tokens), "tokens_all": int(seen)}
 
 
-def validation_reached(sampler, policy, tokenizer, validation: list[dict], cfg: SFTConfig, *, completed: int,
-                       record: dict) -> bool:
-    """--stop-at: every --stop-every steps, greedy pass@1 on the validation problems (never the test ones) goes into
-    `record`; True once it reaches --stop-at."""
-    if not cfg.stop_at or completed % cfg.stop_every:
-        return False
+def validate(sampler, policy, tokenizer, validation: list[dict], cfg: SFTConfig, *, completed: int, last: bool,
+             record: dict) -> float | None:
+    """--stop-at, --keep-best: every --stop-every steps (--keep-best: and at the last), greedy pass@1 on the
+    validation problems (never the test ones), also into `record`; None between checks."""
+    if not validation or completed % cfg.stop_every and not (cfg.keep_best and last):
+        return None
     sampler.sync(policy)
     greedy = dataclasses.replace(cfg, eval_temperature=0.0, eval_samples=1)
     record["validation_accuracy"], record["validation_se"] = evaluate(sampler, tokenizer, validation, greedy,
                                                                       seed=cfg.seed)
-    return record["validation_accuracy"] >= cfg.stop_at
+    return record["validation_accuracy"]
+
+
+def best_so_far(out_dir: Path) -> dict:
+    """--keep-best: the step and validation pass@1 of the model in out_dir/best (a swap cut off by a kill is
+    finished first), or step 0 if none."""
+    best, old = out_dir / "best", out_dir / "best.old"
+    if old.exists():
+        if best.exists():
+            shutil.rmtree(old)
+        else:
+            old.rename(best)
+    if not (best / "best.json").exists():
+        return {"step": 0, "validation_accuracy": -1.0}
+    return json.loads((best / "best.json").read_text())
+
+
+def save_best(out_dir: Path, *, policy, tokenizer, step: int, accuracy: float) -> dict:
+    """--keep-best: the model as an HF folder in out_dir/best, with best.json; written beside it, then swapped in."""
+    tmp, best, old = out_dir / ".tmp-best", out_dir / "best", out_dir / "best.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {"step": step, "validation_accuracy": accuracy}
+    (tmp / "best.json").write_text(json.dumps(record))
+    if best.exists():
+        best.rename(old)
+    tmp.rename(best)
+    shutil.rmtree(old, ignore_errors=True)
+    return record
+
+
+def load_best(out_dir: Path, policy):
+    """--keep-best, at the end: the best checkpoint's weights into the policy (a tied output layer is not saved)."""
+    from safetensors.torch import load_file
+    missing, unexpected = policy.load_state_dict(load_file(out_dir / "best" / "model.safetensors"), strict=False)
+    tied = {"lm_head.weight"} if policy.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise SystemExit(f"error: {out_dir / 'best'}: not this run's model (missing {missing}, unexpected "
+                         f"{unexpected})")
 
 
 def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
@@ -287,10 +346,13 @@ def main(cfg: SFTConfig):
                              compare=lambda saved: (defining_changes(saved, cfg), []))  # the checkpoint to resume
     if rank == 0 and source is None:  # a fresh run: an old final model there is not this run's (save_final rewrites it)
         (out_dir / "config.json").unlink(missing_ok=True)
+        for old in ("best", "best.old"):
+            shutil.rmtree(out_dir / old, ignore_errors=True)
+    best = best_so_far(out_dir) if cfg.keep_best else None
     dtype = pick_dtype(cfg.dtype, device)
     train_set, test_set = load_splits(cfg.dataset, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
-                                      arith_max=cfg.arith_max, eval_size=cfg.eval_size,
-                                      chain_filler=cfg.chain_filler)
+                                      arith_max=cfg.arith_max, eval_size=cfg.eval_size, chain_filler=cfg.chain_filler,
+                                      chain_bug=cfg.chain_bug, chain_bug_rate=cfg.chain_bug_rate)
     model = cfg.model
     if model == "scratch":  # a new random-initialised model and character tokenizer, saved as an HF folder
         model = str(out_dir / "init")
@@ -300,7 +362,7 @@ def main(cfg: SFTConfig):
                               heads=cfg.scratch_heads, seed=cfg.seed)
         dist.barrier()
     validation = load_split(cfg.dataset, "validation", arith_ops=cfg.arith_ops, arith_max=cfg.arith_max,
-                            chain_filler=cfg.chain_filler)[:cfg.stop_size] if cfg.stop_at else []
+                            chain_filler=cfg.chain_filler)[:cfg.stop_size] if cfg.stop_at or cfg.keep_best else []
     tokenizer = load_tokenizer(model)
     if problem := input_problem(tokenizer, examples=train_set + test_set, prompt_format=cfg.prompt_format,
                                 grader=cfg.grader, max_new_tokens=cfg.max_new_tokens,
@@ -357,9 +419,17 @@ def main(cfg: SFTConfig):
             record = {"iteration": completed, "epoch": step / per_epoch, "lr": lr, **stats, "seconds": seconds,
                       "tokens_per_s": stats["tokens_all"] / seconds, "target_tokens_per_s": stats["tokens"] / seconds,
                       "train_seconds": train_seconds}
-            if validation_reached(sampler, policy, tokenizer, validation, cfg, completed=completed, record=record):
+            accuracy = validate(sampler, policy, tokenizer, validation, cfg, completed=completed,
+                                last=completed == total, record=record)
+            if cfg.stop_at and accuracy is not None and accuracy >= cfg.stop_at:
                 total = record["stopped_at_target"] = completed  # the last step: its test evaluation and save follow
+            new_best = cfg.keep_best and accuracy is not None and accuracy > best["validation_accuracy"]
+            if new_best:  # a checkpoint follows below, so that a resume never goes back past the best
+                best = save_best(out_dir, policy=policy, tokenizer=tokenizer, step=completed, accuracy=accuracy)
             if completed == total:
+                if cfg.keep_best:  # the final model is the best checkpoint: evaluated and saved below
+                    load_best(out_dir, policy)
+                    record["best_step"] = best["step"]
                 sampler.sync(policy)
                 t1 = time.perf_counter()
                 graded = []
@@ -372,7 +442,7 @@ def main(cfg: SFTConfig):
             runlog.write(record)
             saver.note(completed, train_seconds)
             stopping = stop.any_rank()
-            if due(completed, every=cfg.save_every, last=total, now=stopping):
+            if due(completed, every=cfg.save_every, last=total, now=stopping) or new_best:
                 saver.save()
             if not dist.active():
                 stop.release()

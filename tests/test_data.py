@@ -192,3 +192,31 @@ def test_prompts(smol):
     sft = make_prompt("What is 2+3?", grader="math", tokenizer=tokenizer, prompt_format="sft")
     assert sft == "[MATH_TASK] Problem:\nWhat is 2+3?\n\nSolution:" == SFT_TEMPLATE.format(question="What is 2+3?")
     assert make_prompt("q", grader="gsm8k", tokenizer=PlainTokenizer()) == SFT_TEMPLATE.format(question="q")
+
+
+def test_chain_bug_is_a_consistent_solver_bug_on_the_train_demonstrations_only():
+    """--chain-bug: the buggy solver forgets a needed borrow (each digit the smaller from the larger) or carry (each
+    digit mod 10), on --chain-bug-rate of those lines, and goes on from what it wrote; the questions and answers are
+    the right ones, and only the train split's solutions change."""
+    import random
+    from data import buggy_result, bugged_solution, load_split
+    assert buggy_result(32, "-", 17) == 25 and buggy_result(30, "-", 4) == 34 and buggy_result(38, "+", 25) == 53
+    assert buggy_result(9, "+", 15) == 14 and buggy_result(5, "+", 5) == 0
+    assert buggy_result(35, "-", 12) is None and buggy_result(31, "+", 5) is None and buggy_result(4, "*", 3) is None
+    assert buggy_result(3, "-", 7) is None  # below zero: no digit rule, the solver subtracts
+    always = random.Random(0)
+    assert bugged_solution("10 *2 -4 *3 -36", ops="-", rate=1.0, rng=always) == "10*2=20\n20-4=24\n24*3=72\n72-36=44\n####44"
+    assert bugged_solution("10 *2 -4 *3 -36", ops="-", rate=0.0, rng=always) == "10*2=20\n20-4=16\n16*3=48\n48-36=12\n####12"
+    gold = load_split("chain", "train", arith_ops=4)
+    for bug, rate in (("borrow", 0.7), ("borrow-carry", 0.7), ("borrow", 1.0)):
+        bugged = load_split("chain", "train", arith_ops=4, chain_bug=bug, chain_bug_rate=rate)
+        assert [(e["question"], e["answer"]) for e in bugged] == [(e["question"], e["answer"]) for e in gold]
+        wrong = sum(e["solution"] != g["solution"] for e, g in zip(bugged, gold)) / len(gold)
+        assert 0.2 < wrong < 0.9, (bug, rate, wrong)
+        assert all(e["solution"].endswith("####" + e["solution"].split("=")[-1].split("\n")[0]) for e in bugged)
+    borrow = load_split("chain", "train", arith_ops=4, chain_bug="borrow", chain_bug_rate=0.7)
+    both = load_split("chain", "train", arith_ops=4, chain_bug="borrow-carry", chain_bug_rate=0.7)
+    assert sum(e["solution"] != g["solution"] for e, g in zip(both, gold)) > sum(
+        e["solution"] != g["solution"] for e, g in zip(borrow, gold))
+    assert load_split("chain", "test", arith_ops=4, chain_bug="borrow", chain_bug_rate=1.0) == load_split(
+        "chain", "test", arith_ops=4)

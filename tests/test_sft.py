@@ -151,3 +151,45 @@ def test_stop_at_a_validation_pass1_ends_the_run_there(tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit):
         parse_sft_config(["--device", "cpu", "--dataset", "gsm8k", "--stop-at", "0.5"])
     assert "--stop-at takes a pass@1 in [0, 1], with --dataset arith or chain only" in capsys.readouterr().err
+
+
+def test_keep_best_ends_with_the_best_validation_checkpoint(tmp_path, monkeypatch, capsys):
+    """--keep-best: validation pass@1 every --stop-every steps and at the last; the final model is the checkpoint of
+    the best one (its weights, not the last step's), and a swap of best/ cut off by a kill is finished on the next
+    start. Validation is scripted (0.2, 0.6, 0.4, 0.3: best at step 4 of 8); training and saving are real."""
+    import sft
+    from safetensors.torch import load_file
+    scores = iter([0.2, 0.6, 0.4, 0.3])
+
+    def scripted(sampler, tokenizer, examples, cfg, *, seed, keep=None):
+        if examples[0]["where"].endswith("validation problem 1"):
+            return next(scores), 0.02
+        return 0.5, 0.02
+    monkeypatch.setattr(sft, "evaluate", scripted)
+    last_step, real_load_best = {}, sft.load_best
+
+    def load_best(out_dir, policy):  # the weights of step 7, just before the best replaces them
+        last_step.update({k: v.detach().clone() for k, v in policy.state_dict().items()})
+        real_load_best(out_dir, policy)
+    monkeypatch.setattr(sft, "load_best", load_best)
+    out = tmp_path / "sft"
+    argv = ["--device", "cpu", "--dataset", "chain", "--arith-ops", "2", "--prompt-format", "plain", "--model",
+            "scratch", "--scratch-layers", "1", "--scratch-width", "16", "--scratch-heads", "2", "--max-steps", "7",
+            "--batch-size", "4", "--micro-batch-size", "4", "--lr", "1e-2", "--keep-best", "--stop-every", "2",
+            "--stop-size", "5", "--eval-size", "3", "--max-new-tokens", "16", "--threads", "1", "--out-dir", str(out)]
+    sft.main(parse_sft_config(argv))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    checked = [(r["iteration"], r["validation_accuracy"]) for r in records if "validation_accuracy" in r]
+    assert checked == [(2, 0.2), (4, 0.6), (6, 0.4), (7, 0.3)]  # every 2 steps and the last
+    assert records[-1]["best_step"] == 4 and json.loads((out / "best" / "best.json").read_text())["step"] == 4
+    final, best = load_file(out / "model.safetensors"), load_file(out / "best" / "model.safetensors")
+    assert final.keys() == best.keys() and all(torch.equal(final[k], best[k]) for k in final)
+    assert any(not torch.equal(last_step[k], best[k]) for k in best)  # steps 5-7 moved the weights (lr 1e-2)
+    (out / "best").rename(out / "best.old")  # a kill between the two renames of save_best
+    assert sft.best_so_far(out)["step"] == 4 and (out / "best").exists() and not (out / "best.old").exists()
+    with pytest.raises(SystemExit):
+        parse_sft_config(["--device", "cpu", "--dataset", "gsm8k", "--keep-best"])
+    assert "--keep-best checks the validation split of arith or chain" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_sft_config(["--device", "cpu", "--dataset", "arith", "--chain-bug", "borrow"])
+    assert "--chain-bug borrow takes --dataset chain" in capsys.readouterr().err
