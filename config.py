@@ -60,7 +60,7 @@ class Config:
     free_samples: str = arg("off", "the group's own rollouts as samples of a state's value (values.py): off (the "
                                    "paper: K fresh vines only); add: K fresh vines plus the returns of the prompt's "
                                    "other responses through the state (leave-one-out); topup: fresh vines only where "
-                                   "those fall short of K (the per-state --k-mode rules count them)",
+                                   "those fall short of K (--k-mode fixed only)",
                             choices=["off", "add", "topup"])
     temperature: float = arg(0.6, "sampling temperature for rollouts and vines")
     top_p: float = arg(0.9, "nucleus sampling threshold")
@@ -231,9 +231,13 @@ def parse_config(argv=None) -> Config:
                      f"with --dataset {cfg.dataset})")
     if not cfg.k_ci > 0:
         parser.error(f"--k-ci must be above 0 (got {cfg.k_ci})")
-    if cfg.free_samples == "topup" and cfg.k_mode == "budget":
-        parser.error("--free-samples topup counts free samples state by state: it takes --k-mode fixed, adaptive or "
-                     "official, not budget")
+    if cfg.free_samples != "off" and cfg.estimator != "vine":
+        parser.error(f"--free-samples {cfg.free_samples} feeds vines, which --estimator {cfg.estimator} does not "
+                     f"sample: drop it, or use --estimator vine")
+    if cfg.free_samples == "topup" and cfg.k_mode != "fixed":
+        parser.error(f"--free-samples topup takes --k-mode fixed only (got {cfg.k_mode}): with adaptive or official "
+                     f"K, how many vines a state gets would depend on the rewards of the responses whose values they "
+                     f"set (a bias, docs/free-samples.md); budget shares vines over all states, not state by state")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
     if cfg.threads < 0:

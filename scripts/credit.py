@@ -304,6 +304,9 @@ def main():
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     arms, seeds = grid_choices(args, arm="arm", arms=ARMS)
     settings = args.settings.split(",")
+    for name in ("prompts", "truth"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name} must be at least 1 (got {getattr(args, name)})")
     if unknown := [s for s in settings if s not in SETTINGS]:
         raise SystemExit(f"error: --settings: unknown {unknown} (choose from {list(SETTINGS)})")
     out, started = Path(args.out), time.time()

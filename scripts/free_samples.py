@@ -158,6 +158,9 @@ def main():
     parser.add_argument("--truth", type=int, default=256, help="--values: vines per state for the true value")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     arms, seeds = grid_choices(args, arm="arm", arms=ARMS)
+    for name in ("prompts", "truth"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name} must be at least 1 (got {getattr(args, name)})")
     if args.values:
         text = value_errors(sft_stage(Path(args.testbed), settings=SFT_SETTINGS)[0], prompts=args.prompts,
                             truth=args.truth, seed=seeds[0])

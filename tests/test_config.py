@@ -39,8 +39,25 @@ def one_error_line(argv, capsys) -> str:
                               "--dataset gsm8k)"),
     (["--dataset", "chain", "--chain-filler", "-1"], "--chain-filler takes 0 or more filler lines, with --dataset "
                                                      "chain only (got -1 with --dataset chain)"),
-    (["--free-samples", "topup", "--k-mode", "budget"], "--free-samples topup counts free samples state by state: it "
-                                                          "takes --k-mode fixed, adaptive or official, not budget"),
+    # issue 60: topup with a reward-driven stopping rule is biased; free samples without vines do nothing
+    (["--free-samples", "topup", "--k-mode", "budget"],
+     "--free-samples topup takes --k-mode fixed only (got budget): with adaptive or official K, how many vines a "
+     "state gets would depend on the rewards of the responses whose values they set (a bias, "
+     "docs/free-samples.md); budget shares vines over all states, not state by state"),
+    (["--free-samples", "topup", "--k-mode", "adaptive"],
+     "--free-samples topup takes --k-mode fixed only (got adaptive): with adaptive or official K, how many vines a "
+     "state gets would depend on the rewards of the responses whose values they set (a bias, "
+     "docs/free-samples.md); budget shares vines over all states, not state by state"),
+    (["--free-samples", "topup", "--k-mode", "official"],
+     "--free-samples topup takes --k-mode fixed only (got official): with adaptive or official K, how many vines a "
+     "state gets would depend on the rewards of the responses whose values they set (a bias, "
+     "docs/free-samples.md); budget shares vines over all states, not state by state"),
+    (["--free-samples", "add", "--estimator", "grpo"],
+     "--free-samples add feeds vines, which --estimator grpo does not sample: drop it, or use "
+     "--estimator vine"),
+    (["--free-samples", "topup", "--estimator", "critic"],
+     "--free-samples topup feeds vines, which --estimator critic does not sample: drop it, or use "
+     "--estimator vine"),
 ])
 def test_each_bad_flag_is_one_line(argv, message, capsys):
     assert one_error_line(["--device", "cpu", *argv], capsys) == message

@@ -108,7 +108,8 @@ def test_the_summary_pairs_vine_with_grpo_by_seed_and_fits_the_slope(tmp_path):
 
 def test_credit_flags_bad_values_are_one_line(tmp_path):
     for args, message in ((["--settings", "chain-L3"], "error: --settings: unknown ['chain-L3']"),
-                          (["--arms", "ppo"], "error: --arms: unknown ['ppo']")):
+                          (["--arms", "ppo"], "error: --arms: unknown ['ppo']"),
+                          (["--diagnose", "--truth", "0"], "error: --truth must be at least 1 (got 0)")):
         run = subprocess.run([sys.executable, "-m", "scripts.credit", "--out", str(tmp_path), *args], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 1 and run.stderr.strip().startswith(message) and len(run.stderr.strip().splitlines()) == 1

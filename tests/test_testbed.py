@@ -140,6 +140,9 @@ def test_testbed_flags_bad_values_are_one_line(tmp_path):
         run = subprocess.run([sys.executable, "-m", "scripts.testbed", "--out", str(tmp_path), *args], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 1 and run.stderr.strip().startswith(message) and len(run.stderr.strip().splitlines()) == 1
+    run = subprocess.run([sys.executable, "-m", "scripts.free_samples", "--out", str(tmp_path), "--values",
+                          "--prompts", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.strip() == "error: --prompts must be at least 1 (got 0)"
 
 
 @pytest.mark.slow  # end to end, ~2 minutes on 2 cores
