@@ -100,7 +100,19 @@ def describe(machine: dict | None) -> str:
 def seed_machine(out: Path, seed: int) -> dict | None:
     """The machine a seed's block of runs is on: the one recorded by its first run (machine.json), else None."""
     recorded = sorted(out.glob(f"*-s{seed}/machine.json"))
-    return json.loads(recorded[0].read_text()) if recorded else None
+    first = json.loads(recorded[0].read_text()) if recorded else None
+    return {k: v for k, v in first.items() if k != "resumes"} if first else None
+
+
+def record_machine(run_dir: Path, machine: dict, *, resuming: bool):
+    """run_dir/machine.json: the machine (and runs at once) the run started on; a resume keeps it and appends its own
+    under "resumes", so a run cut off and continued elsewhere, or beside other runs, says so."""
+    path, latest = run_dir / "machine.json", run_dir / "latest"
+    if resuming and path.exists():
+        first = json.loads(path.read_text())
+        at = latest.read_text().strip() if latest.exists() else None  # the checkpoint it goes on from
+        machine = {**first, "resumes": first.get("resumes", []) + [{**machine, "from": at}]}
+    path.write_text(json.dumps(machine) + "\n")
 
 
 def block_seeds(out: Path) -> list[int]:
@@ -157,7 +169,7 @@ def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str], mac
            "--out-dir", str(run_dir), "--resume" if state == "resume" else "--overwrite", *extra]
     print("$", " ".join(cmd), flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "machine.json").write_text(json.dumps(machine) + "\n")
+    record_machine(run_dir, machine, resuming=state == "resume")
     if subprocess.run(cmd, cwd=ROOT).returncode != 0:
         raise SystemExit(f"error: the {name} run (seed {seed}) failed; see its output above")
     return run_dir

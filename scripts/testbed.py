@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from scripts.plot import mean_se, plot_bands, pm, read_metrics, summarize_grid, summary_markdown
-from scripts.replicate import ESTIMATORS, describe, sft_stage, summarize, table, this_machine
+from scripts.replicate import ESTIMATORS, describe, record_machine, sft_stage, summarize, table, this_machine
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train.py and sft.py run from there
 TASK = ["--dataset", "chain", "--arith-ops", "4", "--prompt-format", "plain", "--threads", "1", "--max-new-tokens",
@@ -102,7 +102,7 @@ def run_grid(cells: list[tuple[Path, str, int]], *, sft_dirs: dict[Path, Path], 
             out, arm, seed = todo.pop(0)
             run_dir = out / f"{arm}-s{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "machine.json").write_text(json.dumps({**machine, "jobs": jobs}) + "\n")
+            record_machine(run_dir, {**machine, "jobs": jobs}, resuming=states[(out, arm, seed)] == "resume")
             cmd = command(arm, seed, out=out, sft_dir=sft_dirs[out], extra=extras[out], arms=arms)
             print("$", " ".join(cmd), flush=True)
             log = open(run_dir / "log.txt", "a")

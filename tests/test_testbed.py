@@ -232,3 +232,20 @@ def test_the_grids_write_outside_git_by_default():
     from scripts import branching, testbed
     assert testbed.OUT == "runs/testbed" and branching.OUT == "runs/branching" and branching.TESTBED == testbed.OUT
     assert "runs/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_machine_json_keeps_the_first_machine_and_appends_each_resume(tmp_path):
+    """A run's machine.json names the machine it started on; a resume appends its own (with the checkpoint it went on
+    from) instead of overwriting it, and a block's machine is still the first run's."""
+    from scripts.replicate import record_machine, seed_machine
+    run = tmp_path / "vine-s0"
+    run.mkdir()
+    record_machine(run, {"cpu": "AMD EPYC", "jobs": 2}, resuming=False)
+    (run / "latest").write_text("ckpt-000024")
+    record_machine(run, {"cpu": "Xeon", "jobs": 1}, resuming=True)
+    saved = json.loads((run / "machine.json").read_text())
+    assert saved["cpu"] == "AMD EPYC" and saved["jobs"] == 2
+    assert saved["resumes"] == [{"cpu": "Xeon", "jobs": 1, "from": "ckpt-000024"}]
+    assert seed_machine(tmp_path, 0) == {"cpu": "AMD EPYC", "jobs": 2}
+    record_machine(run, {"cpu": "Xeon", "jobs": 1}, resuming=False)  # a fresh start replaces it all
+    assert json.loads((run / "machine.json").read_text()) == {"cpu": "Xeon", "jobs": 1}
