@@ -220,8 +220,8 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
         if "vine" in runs and any(a in LONG_ONLY for a in runs):  # chain-L8: every arm, paired with vine by seed
             against_vine = {a: d for a in runs if a != "vine" and (d := paired(scores, a, "vine"))["iteration"]}
         diffs[setting] = paired(scores, "vine", "grpo")
-        cost = {a: mean_se([sum(r["seconds"] for r in recs if r["iteration"] > 0) / 30 for recs in by_seed.values()])[0]
-                for a, by_seed in runs.items()}
+        cost = {a: mean_se([sum(r["seconds"] - r.get("seconds_eval", 0.0) for r in recs if r["iteration"] > 0) / 30
+                            for recs in by_seed.values()])[0] for a, by_seed in runs.items()}  # training, no eval
         rows[setting] = {"ops": ops, "filler": filler, "sft_steps": sft["iteration"],
                          "sft_validation": sft.get("validation_accuracy"), "sft_test": sft["eval_accuracy"],
                          "seconds_per_iteration": cost,
@@ -230,7 +230,7 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
     lines = [f"SFT per setting: `sft.py` with the testbed's recipe and `--stop-at {STOP_AT}` (scripts/credit.py "
              "sft_settings); RL: the testbed's recipe, 30 iterations, with the task's flags (task_flags).", "",
              "| setting | L | F | SFT steps | SFT validation pass@1 | SFT test pass@1 | seeds | vine − grpo per iteration "
-             "| per sampled token | per wall-clock | s / iteration (vine, grpo) |",
+             "| per sampled token | per wall-clock | train s / iteration, no eval (vine, grpo) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for setting, r in rows.items():
         n = r["iteration"][2]

@@ -138,7 +138,7 @@ def summarize_grid(runs: dict[str, dict[int, list[dict]]], *, budget: float, thr
 
 def summary_markdown(summary: dict[str, dict], *, threshold: float, baseline: str = "vine") -> str:
     lines = [f"| estimator | seeds | final pass@1 (mean ± SE) | final − start (± SE) | best (mean) | mean pass@1 over "
-             f"time (± SE) | mean over time − start (± SE) | minutes to {threshold} (seeds that got there) | KL to ref at end | s / iteration | collapsed | final − {baseline}, "
+             f"time (± SE) | mean over time − start (± SE) | minutes to {threshold} (seeds that got there) | KL to ref at end | train s / iteration (no eval) | collapsed | final − {baseline}, "
              f"same seeds (± SE) | mean over time − {baseline} (± SE) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, s in summary.items():

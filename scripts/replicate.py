@@ -191,7 +191,7 @@ def summarize(records: list[dict], estimator: str, seed: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| estimator | seed | iterations | train min | s / iteration | pass@1 start | pass@1 end | best | "
+    lines = ["| estimator | seed | iterations | train min | train s / iteration | pass@1 start | pass@1 end | best | "
              "largest SE of one evaluation | train reward (last 3) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
