@@ -269,6 +269,16 @@ def lr_factor(step: int, *, warmup: int, total: int, decay: bool = True, decay_s
     return floor + (1 - floor) * max(0.0, (total - step) / max(1, span))
 
 
+def policy_optimizer(policy, value_head, cfg):
+    """train.py's AdamW and schedule: the policy at --lr and, with --critic head, the head on its trunk at --value-lr
+    (a separate critic has its own: critic.open_critic)."""
+    groups = [{"params": policy.parameters(), "lr": cfg.lr}]
+    if value_head is not None:
+        groups.append({"params": value_head.parameters(), "lr": cfg.value_lr})
+    return make_optimizer(groups, weight_decay=cfg.weight_decay, total_steps=cfg.total_steps,
+                          warmup_ratio=cfg.warmup_ratio, decay=cfg.lr_decay)
+
+
 def make_optimizer(param_groups: list[dict], *, weight_decay: float, total_steps: int, warmup_ratio: float,
                    decay: bool = True, decay_steps: int = 0, floor: float = 0.0):
     """AdamW (fused: one kernel for all parameters, bench/adamw.py) over fp32 master weights, and its schedule:

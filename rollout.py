@@ -276,6 +276,16 @@ def choose_sampler(kind: str) -> str:
     return "hf"
 
 
+def open_engine(cfg, model_path: str, *, dtype: torch.dtype) -> tuple[str, object]:
+    """train.py's backend (choose_sampler) and, for vllm, its started engine (open_vllm; before the models are
+    loaded: vLLM claims its memory first). `--sampler auto` falls back to hf where vLLM does not start."""
+    backend = choose_sampler(cfg.sampler)  # the same on every rank: vLLM everywhere or nowhere
+    engine = open_vllm(cfg.sampler, model_path, dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
+                       gpu_memory=cfg.vllm_gpu_memory, max_batched_tokens=cfg.vllm_max_batched_tokens,
+                       max_model_len=cfg.max_new_tokens + 1024, sleep=cfg.vllm_sleep) if backend == "vllm" else None
+    return ("hf" if backend == "vllm" and engine is None else backend), engine
+
+
 def make_sampler(kind: str, *, policy, tokenizer, dtype: torch.dtype, stop_strings=(), batch_size: int = 256,
                  engine=None):
     """The sampler of backend `kind` (from choose_sampler), sampling in `dtype` (the compute dtype); for vllm,

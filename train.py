@@ -24,8 +24,8 @@ from data import input_problem, load_splits
 from grader import grade
 from model import (Scorer, load_model, load_tokenizer, max_positions, new_value_head, pick_device, pick_dtype,
                    resolve_model)
-from ppo import make_optimizer, micro_batches, pad_episodes, policy_update
-from rollout import choose_sampler, evaluate, make_sampler, open_vllm, rollouts
+from ppo import micro_batches, pad_episodes, policy_optimizer, policy_update
+from rollout import evaluate, make_sampler, open_engine, rollouts
 from runlog import Clock, Meter, RunLog, due, iteration_record, return_free_memory, stop_after_interrupt
 from sampling import row_seed
 
@@ -51,11 +51,7 @@ def main(cfg: Config):
                              compare=lambda saved: config_changes(saved, cfg))
     record_start(out_dir, model=cfg.model, folder=resolve_model(cfg.model), resumed=source is not None)
     dtype = pick_dtype(cfg.dtype, device)  # compute dtype; the policy's master weights are fp32
-    backend = choose_sampler(cfg.sampler)  # the same on every rank: vLLM everywhere or nowhere
-    engine = open_vllm(cfg.sampler, resolve_model(cfg.model), dtype=str(dtype).removeprefix("torch."), seed=cfg.seed,
-                       gpu_memory=cfg.vllm_gpu_memory, max_batched_tokens=cfg.vllm_max_batched_tokens,
-                       max_model_len=cfg.max_new_tokens + 1024, sleep=cfg.vllm_sleep) if backend == "vllm" else None
-    backend = "hf" if backend == "vllm" and engine is None else backend  # before the models: vLLM claims its memory
+    backend, engine = open_engine(cfg, resolve_model(cfg.model), dtype=dtype)  # vllm, hf or generate
     policy = load_model(str(source or cfg.model), device=device, dtype=torch.float32,
                         trust_remote_code=cfg.trust_remote_code)
     reference = load_model(cfg.model, device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
@@ -68,11 +64,7 @@ def main(cfg: Config):
                            batch_size=cfg.gen_batch_size, engine=engine)
     scorer = dist.wrap(Scorer(policy, value_head, dtype=dtype), fsdp=cfg.fsdp)  # DDP / FSDP2 under torchrun
     reference_scorer = dist.wrap(Scorer(reference, dtype=dtype), fsdp=cfg.fsdp)  # sharded with FSDP2, else whole
-    param_groups = [{"params": policy.parameters(), "lr": cfg.lr}]
-    if value_head is not None:
-        param_groups.append({"params": value_head.parameters(), "lr": cfg.value_lr})
-    optimizer, scheduler = make_optimizer(param_groups, weight_decay=cfg.weight_decay, total_steps=cfg.total_steps,
-                                          warmup_ratio=cfg.warmup_ratio, decay=cfg.lr_decay)
+    optimizer, scheduler = policy_optimizer(policy, value_head, cfg)  # AdamW: the policy (and --critic head's head)
     start, train_seconds = 0, 0.0
     if state:
         start, train_seconds = restore(state, scorer=scorer, optimizer=optimizer, scheduler=scheduler, rng=rng,

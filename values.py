@@ -320,67 +320,113 @@ def free_value(*, fresh_sum: float, fresh_count: int, through: list[int], reward
     return (fresh_sum + sum(others)) / max(fresh_count + len(others), 1)
 
 
-def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]],
-                    rewards: list[float], answers: list[str], grader: str, K: int, temperature: float, top_p: float,
-                    max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0, k_mode: str = "fixed",
-                    k_round: int = 3, k_max: int = 27, k_ci: float = 0.5, free_samples: str = "off"):
-    """MC value of every state of every response.
+def response_states(prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]], *,
+                    max_value_steps: int | None) -> list[list[tuple]]:
+    """states[i][j]: the key of response i's state j, its tokens (prompt + the steps before j), for the first
+    max_value_steps steps (None: all)."""
+    return [[tuple(prompt + response[:s]) for s in starts[:len(starts) if max_value_steps is None else max_value_steps]]
+            for prompt, response, starts in zip(prompts, responses, step_starts)]
 
-    prompts[i], responses[i]: token ids; step_starts[i]: first token of each step (from step_token_starts);
-    rewards[i]: the response's own 0/1 reward; answers[i]: its gold answer, against which each continuation is
-    graded as a whole response (prefix + continuation). Returns (values, stats): values[i] has
-    len(step_starts[i]) + 1 entries, the last being the terminal value 0.
-    Under torchrun the states of all ranks are pooled and deduplicated, then dealt out by their expected vine tokens
-    (K x what the sampled response had left after the state; split_states): each state is estimated once, on one
-    rank, whatever the world size, and every rank gets every value back. k_mode etc.: how many vines (round_sizes).
-    free_samples (docs/free-samples.md): for each distinct state (after the cap), the responses passing through it
-    (responses_through) are samples of its value too. "add": response i's value of the state is the mean over K
-    fresh vines and the rewards of the other responses through it (free_value, leave-one-out); "topup": the same
-    mean, with fresh vines only where the others fall short of K (round_sizes counts the |through| - 1 rewards of all
-    but the first response through the state). Under torchrun a rank's free samples are its own responses.
-    """
+
+def passing_through(states: list[list[tuple]], *, prompts: list[list[int]],
+                    responses: list[list[int]]) -> dict[tuple, list[int]]:
+    """--free-samples: each distinct state's responses_through, the responses of its prompt that pass through it."""
     sequences = [tuple(p + r) for p, r in zip(prompts, responses)]
     groups = {}  # prompt -> its responses (a prompt drawn twice in a batch: all its responses)
     for i, prompt in enumerate(prompts):
         groups.setdefault(tuple(prompt), []).append(i)
-    state_of, requests, through = [], {}, {}  # state_of[i][j]: the key (prompt + prefix) of response i's state j
-    for i, (prompt, response, starts) in enumerate(zip(prompts, responses, step_starts)):
-        cap = len(starts) if max_value_steps is None else min(len(starts), max_value_steps)
-        state_of.append([tuple(prompt + response[:s]) for s in starts[:cap]])
-        for key, s in zip(state_of[-1], starts):  # any response holding a state will do to continue it
-            if free_samples != "off" and key not in through:
-                through[key] = responses_through(key, prompt=tuple(prompt), sequences=sequences, groups=groups)
-            prior = [rewards[j] for j in through[key][1:]] if free_samples == "topup" else []
+    return {key: responses_through(key, prompt=tuple(prompts[i]), sequences=sequences, groups=groups)
+            for i in range(len(states)) for key in states[i]}  # a key seen again maps to the same list
+
+
+def vine_requests(states: list[list[tuple]], *, prompts, responses, step_starts, answers, K: int,
+                  priors: dict[tuple, list[float]]) -> dict[tuple, tuple]:
+    """Each distinct state once, continued from the first response that holds it (any will do): key -> (its
+    sequence, prefix length, prompt length, answer, expected vine tokens: (K - its prior rewards) x what that response
+    had left after the state, its prior: --free-samples topup's rewards of the others through it)."""
+    requests = {}
+    for i, (prompt, response, keys) in enumerate(zip(prompts, responses, states)):
+        for key, s in zip(keys, step_starts[i]):
+            prior = priors.get(key, [])
             requests.setdefault(key, (prompt + response, len(key), len(prompt), answers[i],
                                       max(K - len(prior), 0) * (len(response) - s), prior))
+    return requests
+
+
+def pool_states(requests: dict[tuple, tuple]) -> tuple[dict[tuple, tuple], list[tuple], list[tuple]]:
+    """Under torchrun, every rank's states pooled (a state on two ranks: the copy with fewer free samples, that is
+    more vines), sorted the same on every rank, and dealt out by expected vine tokens (split_states): (the pooled
+    requests, all their keys, this rank's keys). One process: (requests, all, all)."""
     pooled = {}
     for part in dist.all_gather(requests):
-        for key, request in part.items():  # a state on two ranks: the one with fewer free samples (more vines)
+        for key, request in part.items():
             if key not in pooled or len(request[5]) < len(pooled[key][5]):
                 pooled[key] = request
-    keys = sorted(pooled)  # the same order on every rank
-    mine = [keys[i] for i in split_states([pooled[k][4] for k in keys], parts=dist.world())[dist.rank()]]
+    keys = sorted(pooled)
+    return pooled, keys, [keys[i] for i in split_states([pooled[k][4] for k in keys], parts=dist.world())[dist.rank()]]
+
+
+def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]],
+                    rewards: list[float], answers: list[str], grader: str, K: int, temperature: float, top_p: float,
+                    max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0, k_mode: str = "fixed",
+                    k_round: int = 3, k_max: int = 27, k_ci: float = 0.5, free_samples: str = "off"):
+    """MC value of every state of every response: its distinct states, K vines from each, the mean reward.
+
+    prompts[i], responses[i]: token ids; step_starts[i]: first token of each step (from step_token_starts);
+    rewards[i]: the response's own 0/1 reward; answers[i]: its gold answer, against which each continuation is
+    graded as a whole response (prefix + continuation). Returns (values, stats): values[i] has
+    len(step_starts[i]) + 1 entries, the last being the terminal value 0. The options, each a step of its own:
+    max_value_steps caps the states per response (response_states; past the cap V = the final reward, gamma = 1);
+    k_mode etc. decide how many vines (round_sizes); under torchrun the states of all ranks are pooled and dealt out
+    (pool_states): each is estimated once, on one rank, and every rank gets every value back. free_samples
+    (docs/free-samples.md): the responses passing through a state (passing_through) are samples of its value too;
+    "add": response i's value is the mean over K fresh vines and the rewards of the other responses through it
+    (free_value, leave-one-out); "topup": the same mean, with fresh vines only where the others fall short of K
+    (round_sizes counts the |through| - 1 rewards of all but the first response through the state; fixed K only,
+    config.py). Under torchrun a rank's free samples are its own responses.
+    """
+    # 1. The states: where each response's steps begin (prompt + the steps before), up to the cap
+    states = response_states(prompts, responses, step_starts, max_value_steps=max_value_steps)
+    through = passing_through(states, prompts=prompts, responses=responses) if free_samples != "off" else {}
+    priors = {key: [rewards[j] for j in members[1:]] for key, members in through.items()} if (
+        free_samples == "topup") else {}
+    requests = vine_requests(states, prompts=prompts, responses=responses, step_starts=step_starts, answers=answers,
+                             K=K, priors=priors)
+    pooled, keys, mine = pool_states(requests)  # each distinct state once, over all ranks; this rank's share
+
+    # 2. K vines from each state (fewer where free samples top it up; more or fewer with adaptive rules)
     scores, vine_tokens = vine_rewards(sampler=sampler, sequences=[pooled[k][0] for k in mine],
-                                       prefix_lens=[pooled[k][1] for k in mine], prompt_lens=[pooled[k][2] for k in mine],
+                                       prefix_lens=[pooled[k][1] for k in mine],
+                                       prompt_lens=[pooled[k][2] for k in mine],
                                        answers=[pooled[k][3] for k in mine], grader=grader, K=K, k_mode=k_mode,
                                        k_round=k_round, k_max=k_max, k_ci=k_ci, temperature=temperature, top_p=top_p,
                                        max_new_tokens=max_new_tokens, seed=seed, prior=[pooled[k][5] for k in mine])
-    fresh = {}  # key -> (sum, count) of its fresh vines' rewards
+    fresh = {}  # key -> (sum, count) of its fresh vines' rewards, from every rank
     for part in dist.all_gather({key: (sum(sc), len(sc)) for key, sc in zip(mine, scores)}):
         fresh.update(part)
+
+    # 3. The value: the mean reward of the vines (with free samples: and of the others through the state)
     values = []
-    for i, states in enumerate(state_of):
+    for i, keys_i in enumerate(states):
         estimated = [fresh[key][0] / max(fresh[key][1], 1) if free_samples == "off" else
                      free_value(fresh_sum=fresh[key][0], fresh_count=fresh[key][1], through=through[key],
-                                rewards=rewards, own=i) for key in states]
-        filled = [rewards[i]] * (len(step_starts[i]) - len(states))  # past the cap: V = final reward (gamma = 1)
+                                rewards=rewards, own=i) for key in keys_i]
+        filled = [rewards[i]] * (len(step_starts[i]) - len(keys_i))  # past the cap: V = final reward (gamma = 1)
         values.append(estimated + filled + [0.0])
+    return values, value_stats(states, keys=keys, scores=scores, vine_tokens=vine_tokens,
+                               through=through if free_samples != "off" else None)
+
+
+def value_stats(states: list[list[tuple]], *, keys: list[tuple], scores: list[list[float]], vine_tokens: int,
+                through: dict[tuple, list[int]] | None) -> dict:
+    """The values section's metrics over all ranks: distinct states, states asked for, vines, vine tokens, vines per
+    state (mean, most), and with free samples the others through a state (per distinct state of this rank)."""
     counts = [len(sc) for sc in scores]
-    totals = dist.all_sum(torch.tensor([sum(map(len, state_of)), vine_tokens, sum(counts)]))
+    totals = dist.all_sum(torch.tensor([sum(map(len, states)), vine_tokens, sum(counts)]))
     most = max(dist.all_gather(max(counts, default=0)))
     stats = {"value_states": len(keys), "value_states_requested": int(totals[0]), "vines": int(totals[2]),
              "vine_tokens": int(totals[1]), "vines_per_state": int(totals[2]) / max(len(keys), 1),
              "vines_per_state_max": most}
-    if free_samples != "off":  # the others through a state, per distinct state of this rank
+    if through is not None:  # on every rank alike: dist.mean is collective
         stats["free_per_state"] = dist.mean([len(members) - 1 for members in through.values()])
-    return values, stats
+    return stats
