@@ -224,19 +224,22 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
                             for recs in by_seed.values()])[0] for a, by_seed in runs.items()}  # training, no eval
         rows[setting] = {"ops": ops, "filler": filler, "sft_steps": sft["iteration"],
                          "sft_validation": sft.get("validation_accuracy"), "sft_test": sft["eval_accuracy"],
+                         "rl_start": mean_se([recs[0]["eval_accuracy"] for by_seed in runs.values()
+                                              for recs in by_seed.values()])[0],  # the runs' iteration 0, fp32
                          "seconds_per_iteration": cost,
                          **{axis: (mean_se(list(d.values())) if d else (float("nan"), float("nan"))) + (len(d),)
                             for axis, d in diffs[setting].items()}}  # no pair yet: nan, 0 seeds
     lines = [f"SFT per setting: `sft.py` with the testbed's recipe and `--stop-at {STOP_AT}` (scripts/credit.py "
              "sft_settings); RL: the testbed's recipe, 30 iterations, with the task's flags (task_flags).", "",
-             "| setting | L | F | SFT steps | SFT validation pass@1 | SFT test pass@1 | seeds | vine − grpo per iteration "
+             "| setting | L | F | SFT steps | SFT validation pass@1 (sft.py, bf16) | SFT test pass@1 (sft.py, bf16) | "
+             "the same model in the RL runs' iteration 0 (train.py, fp32) | seeds | vine − grpo per iteration "
              "| per sampled token | per wall-clock | train s / iteration, no eval (vine, grpo) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for setting, r in rows.items():
         n = r["iteration"][2]
         secs = ", ".join(f"{r['seconds_per_iteration'].get(a, float('nan')):.1f}" for a in ("vine", "grpo"))
         lines.append(f"| {setting} | {r['ops']} | {r['filler']} | {r['sft_steps']} | {r['sft_validation'] or 0:.3f} | "
-                     f"{r['sft_test']:.3f} | {n} | " + " | ".join(pm(*r[axis][:2], n, signed=True) for axis in
+                     f"{r['sft_test']:.3f} | {r['rl_start']:.3f} | {n} | " + " | ".join(pm(*r[axis][:2], n, signed=True) for axis in
                                                                   ("iteration", "token", "wall-clock")) + f" | {secs} |")
     slopes = {}
     for name, xs in (("L", {s: SETTINGS[s][0] for s in diffs if s.startswith("chain")}),
