@@ -1,0 +1,144 @@
+"""The paper's regime on the testbed (issue 59): RL from an SFT model trained to convergence, on an easy and a hard task.
+
+    python -m scripts.paper_regime --calibrate        each task's SFT to convergence, then its plateau (restartable)
+    python -m scripts.paper_regime --lift --seeds 0,1,2    does RL lift the converged start? (restartable)
+
+The paper starts RL from the best checkpoint of an SFT run trained to convergence, and RL still gains 3-10 points:
+the model cannot master the task by imitation. On the testbed's chains it can (a tiny model reaches ~0.9-0.95 by
+SFT alone, ../shared/notes/small-scale-rl.md), so each task here gets demonstrations that imitation cannot see past:
+the testbed's 4-line chains, the SFT solutions written by a solver with a consistent bug (data.bugged_solution,
+sft.py --chain-bug) on 70% of the lines it applies to, the answers (RL's reward) still the right ones:
+    easy  --chain-bug borrow        a subtraction that needs a borrow done without it (32-17=25)
+    hard  --chain-bug borrow-carry  that, and an addition that needs a carry done without it (38+25=53)
+A model that imitates the solver perfectly is right on the problems where the bug never struck: greedy decoding takes
+the bug wherever it applies (70% against 30%), sampling takes the right line now and then, so pass@k exceeds pass@1,
+and RL has something to find that SFT cannot. Both tasks share the chains' length and cost; the hard one's bug
+applies to more lines.
+
+SFT (sft.py, into OUT/<task>/sft): a scratch model, 15 epochs over the 5,000 demonstrations, lr 3e-3 decayed linearly
+to 0 after 5% warmup, greedy validation pass@1 on 200 problems every 100 steps, the best checkpoint kept
+(--keep-best). The plateau (OUT/<task>/sft/plateau.json, OUT/calibration.md), in fp32: test pass@1 greedy and from 16
+samples at T 0.35 (the paper's evaluation), and train pass@1 sampled at T 0.6 (RL's temperature: not memorised).
+
+--lift (OUT/<task>/lift/<arm>-s<seed>): grpo and vine (K = 9) from each task's SFT model, the testbed's RL recipe
+(scripts/testbed.py SETTINGS: 30 iterations of 64 x 8, T 0.6, KL 1e-4, greedy pass@1 on the 500 test problems every
+3 iterations) at two policy lrs, 5e-5 (the testbed's) and 2e-4, two runs at a time, one thread each. A setting lifts
+the start if its mean pass@1 over iterations 3-30 is above the run's own iteration 0 by more than 2 SE over seeds.
+"""
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from data import load_split
+from engine import HFSampler
+from model import load_model, load_tokenizer
+from rollout import evaluate
+from scripts.plot import mean_se, pm
+from scripts.replicate import sft_stage, this_machine
+from scripts.testbed import TASK, done_runs, run_grid, sft_digest
+
+OUT = "runs/paper-regime"  # the default output, ignored by git (the committed runs: --out results/paper-regime)
+TASKS = {"easy": ["--chain-bug", "borrow", "--chain-bug-rate", "0.7"],
+         "hard": ["--chain-bug", "borrow-carry", "--chain-bug-rate", "0.7"]}
+SFT_SETTINGS = [*TASK, "--model", "scratch", "--epochs", "15", "--batch-size", "64", "--micro-batch-size", "64",
+                "--lr", "3e-3", "--warmup-ratio", "0.05", "--max-length", "128", "--eval-size", "500",
+                "--eval-samples", "1", "--eval-temperature", "0", "--keep-best", "--stop-every", "100",
+                "--stop-size", "200"]
+LIFT_ARMS = {f"{estimator}-lr{lr}": ["--estimator", estimator, "--lr", lr]
+             for estimator in ("grpo", "vine") for lr in ("5e-5", "2e-4")}
+# (evaluation temperature, samples per problem, split, problems): the plateau's three measurements
+PLATEAU = {"test greedy": (0.0, 1, "test", 500), "test T 0.35 x 16": (0.35, 16, "test", 500),
+           "train T 0.6 x 4": (0.6, 4, "train", 500)}
+
+
+def plateau(model_dir: Path, *, seed: int = 0) -> dict:
+    """PLATEAU's pass@1 (± SE over problems) of the model in model_dir, fp32, top-p 0.9, up to 64 new tokens."""
+    tokenizer = load_tokenizer(str(model_dir))
+    sampler = HFSampler(load_model(str(model_dir), device=torch.device("cpu"), dtype=torch.float32, frozen=True),
+                        tokenizer, dtype=torch.float32, batch_size=512)
+    result = {}
+    for name, (temperature, samples, split, problems) in PLATEAU.items():
+        cfg = SimpleNamespace(grader="number", prompt_format="plain", eval_samples=samples,
+                              eval_temperature=temperature, top_p=0.9, max_new_tokens=64)
+        examples = load_split("chain", split, arith_ops=4)[:problems]
+        result[name] = evaluate(sampler, tokenizer, examples, cfg, seed=seed)
+    return result
+
+
+def calibrate(out: Path) -> str:
+    """Each task's SFT (made once, resumed if cut off) and its plateau (measured once): calibration.md's table."""
+    lines = ["| task | SFT demonstrations | best step (validation greedy pass@1) | "
+             + " | ".join(PLATEAU) + " | sha256 |", "| --- " * (4 + len(PLATEAU)) + "|"]
+    for task, flags in TASKS.items():
+        sft_dir, digest = sft_stage(out / task, settings=SFT_SETTINGS + flags)
+        measured = sft_dir / "plateau.json"
+        if not measured.exists():
+            measured.write_text(json.dumps({"sha256": digest, **plateau(sft_dir)}, indent=1))
+        result = json.loads(measured.read_text())
+        if result["sha256"] != digest:
+            raise SystemExit(f"error: {measured}: measured on another model ({result['sha256'][:12]}…, now "
+                             f"{digest[:12]}…); delete it to measure again")
+        records = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()]
+        best = max((r for r in records if "validation_accuracy" in r), key=lambda r: r["validation_accuracy"])
+        cells = [f"{result[name][0]:.3f} ± {result[name][1]:.3f}" for name in PLATEAU]
+        lines.append(f"| {task} | `{' '.join(flags)}` | {best['iteration']} ({best['validation_accuracy']:.3f}) | "
+                     + " | ".join(cells) + f" | {digest[:12]}… |")
+    return "\n".join(lines)
+
+
+def lift(out: Path, *, seeds: list[int], jobs: int, redraw: bool) -> str:
+    """--lift: LIFT_ARMS from each task's SFT model (made first if missing), then lift.md's table: per task and arm,
+    over seeds, the mean greedy pass@1 over iterations 3-30 and at 30, each minus the run's iteration 0."""
+    folders = {out / task / "lift": out / task / "sft" for task in TASKS}
+    if not redraw:
+        for task, flags in TASKS.items():
+            sft_stage(out / task, settings=SFT_SETTINGS + flags)
+        run_grid([(folder, arm, seed) for seed in seeds for folder in folders for arm in LIFT_ARMS],
+                 sft_dirs=folders, extras={folder: [] for folder in folders}, jobs=jobs, machine=this_machine(),
+                 arms=LIFT_ARMS)
+    lines = ["| task | arm | seeds | pass@1 at 0 | mean pass@1, iterations 3-30 − 0 | at 30 − 0 | lifted (> 2 SE) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for folder, sft_dir in folders.items():
+        runs, _ = done_runs(folder, arms=LIFT_ARMS, start=sft_digest(sft_dir))
+        for arm, by_seed in runs.items():
+            evals = [[r["eval_accuracy"] for r in records if "eval_accuracy" in r] for records in by_seed.values()]
+            start = mean_se([e[0] for e in evals])
+            over = mean_se([sum(e[1:]) / len(e[1:]) - e[0] for e in evals])
+            end = mean_se([e[-1] - e[0] for e in evals])
+            lifted = "yes" if len(evals) > 1 and over[0] > 2 * over[1] else "no"
+            lines.append(f"| {folder.parent.name} | {arm} | {len(evals)} | {pm(*start, len(evals))} | "
+                         f"{pm(*over, len(evals), signed=True)} | {pm(*end, len(evals), signed=True)} | {lifted} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calibrate", action="store_true", help="each task's SFT to convergence and its plateau")
+    parser.add_argument("--lift", action="store_true", help="grpo and vine at two lrs from each task's SFT model")
+    parser.add_argument("--seeds", default="0,1,2", help="--lift: comma-separated seeds")
+    parser.add_argument("--jobs", type=int, default=2, help="--lift: runs at once, one thread each")
+    parser.add_argument("--redraw", action="store_true", help="--lift: run nothing, summarize the finished runs")
+    parser.add_argument("--out", default=OUT, help=f"results folder (default {OUT}, outside git)")
+    args = parser.parse_args()
+    if not (args.calibrate or args.lift):
+        parser.error("nothing to do: pass --calibrate or --lift (the grid comes next, docs/paper-regime.md)")
+    if not all(x.strip().isdigit() for x in args.seeds.split(",")) or args.jobs < 1:
+        parser.error(f"--seeds takes comma-separated non-negative integers and --jobs at least 1 (got "
+                     f"{args.seeds!r}, {args.jobs})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.lift:
+        text = lift(out, seeds=[int(x) for x in args.seeds.split(",")], jobs=args.jobs, redraw=args.redraw)
+        (out / "lift.md").write_text(text + "\n")
+        return print(text)
+    text = (f"SFT: `sft.py {' '.join(SFT_SETTINGS)}` plus each task's flags; plateau in fp32, top-p 0.9, 500 "
+            f"problems each.\n\n{calibrate(out)}\n")
+    (out / "calibration.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
