@@ -249,3 +249,30 @@ def test_machine_json_keeps_the_first_machine_and_appends_each_resume(tmp_path):
     assert seed_machine(tmp_path, 0) == {"cpu": "AMD EPYC", "jobs": 2}
     record_machine(run, {"cpu": "Xeon", "jobs": 1}, resuming=False)  # a fresh start replaces it all
     assert json.loads((run / "machine.json").read_text()) == {"cpu": "Xeon", "jobs": 1}
+
+
+def test_paper_regime_lift_summary_says_lifted_only_above_two_se(tmp_path):
+    """scripts.paper_regime --lift --redraw: per task and arm, the mean over seeds of (mean pass@1 over iterations
+    3-30 − the run's iteration 0), and 'yes' only where that exceeds 2 SE; runs from another start are not counted."""
+    from scripts.paper_regime import lift
+    digest = "ab" * 32
+    gains = {"grpo-lr5e-5": [0.05, 0.06, 0.07], "vine-lr5e-5": [0.05, -0.04, 0.01]}
+    for task in ("easy", "hard"):
+        (tmp_path / task / "sft").mkdir(parents=True)
+        (tmp_path / task / "sft" / "model.sha256").write_text(digest + "\n")
+        for arm, per_seed in gains.items():
+            for seed, gain in enumerate(per_seed):
+                run = tmp_path / task / "lift" / f"{arm}-s{seed}"
+                run.mkdir(parents=True)
+                (run / "start.json").write_text(json.dumps({"model_sha256": digest}))
+                records = [{"iteration": i, "eval_accuracy": 0.5 + (gain if i else 0.0)} for i in range(0, 31, 3)]
+                (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    other = tmp_path / "hard" / "lift" / "grpo-lr2e-4-s0"
+    other.mkdir()
+    (other / "start.json").write_text(json.dumps({"model_sha256": "cd" * 32}))
+    (other / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "eval_accuracy": 0.9}) + "\n"
+                                                 for i in range(0, 31, 3)))
+    rows = [line.split(" | ") for line in lift(tmp_path, seeds=[0], jobs=1, redraw=True).splitlines()[2:]]
+    assert [(r[0], r[1], r[2], r[4], r[-1]) for r in rows] == [
+        ("| easy", "grpo-lr5e-5", "3", "+0.060 ± 0.006", "yes |"), ("| easy", "vine-lr5e-5", "3", "+0.007 ± 0.026", "no |"),
+        ("| hard", "grpo-lr5e-5", "3", "+0.060 ± 0.006", "yes |"), ("| hard", "vine-lr5e-5", "3", "+0.007 ± 0.026", "no |")]
