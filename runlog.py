@@ -273,15 +273,37 @@ class Clock:
         return self.budget - self.seconds if self.budget > 0 else None
 
 
+def silent_groups(groups: list[int], rewards: list[float], advantages: list[torch.Tensor]) -> list[int]:
+    """Groups (one problem's responses) without contrast, all right or all wrong: grpo's advantages there are 0.
+    Returns the counts [groups, silent all right, silent all wrong, responses in silent groups, of them those with a
+    nonzero raw advantage on some token (what vines found there)]."""
+    members = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    counts = [len(members), 0, 0, 0, 0]
+    for idx in members.values():
+        outcomes = {rewards[i] for i in idx}
+        if len(outcomes) == 1:
+            counts[1 if outcomes == {1.0} else 2] += 1
+            counts[3] += len(idx)
+            counts[4] += sum(bool((advantages[i] != 0).any()) for i in idx)
+    return counts
+
+
 def iteration_record(done: int, *, episodes, rewards: list[float], advantages: list, stats: dict, lr: float,
                      clock: Clock, meter: Meter) -> dict:
     """The metrics line of a training iteration (before its evaluation), every figure over all ranks: reward,
-    response length, the raw advantages' moments, the value / update / mismatch stats, tokens sampled per second."""
+    response length, the raw advantages' moments, the groups without contrast (silent_groups), the value / update /
+    mismatch stats, tokens sampled per second."""
     responses = episodes.responses
     raw = torch.cat(dist.all_gather(torch.cat(advantages)))  # (N,) all ranks' tokens
     response_tokens = dist.all_sum(torch.tensor([sum(map(len, responses))]))[0].item()
     generated = response_tokens + stats.get("vine_tokens", 0)
+    total, right, wrong, silent, credited = dist.all_sum(torch.tensor(silent_groups(episodes.groups, rewards,
+                                                                                    advantages))).tolist()
     return {"iteration": done, "train_seconds": clock.seconds, "reward_mean": dist.mean(rewards),
+            "silent_frac": (right + wrong) / max(total, 1), "silent_right_frac": right / max(total, 1),
+            "silent_wrong_frac": wrong / max(total, 1), "silent_credited_frac": credited / max(silent, 1),
             "response_length": dist.mean(list(map(len, responses))),
             "finished_frac": dist.mean([float(s.finished) for s in episodes.samples]),
             "advantage_mean": raw.mean().item(), "advantage_std": raw.std().item() if len(raw) > 1 else 0.0,

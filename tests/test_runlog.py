@@ -138,3 +138,16 @@ def test_response_steps_carry_their_advantage(smol):
     markdown = sample_markdown(text_steps=steps, step_advantages=means, reward=1.0, answer="14")
     assert markdown.splitlines() == ["reward 1 (gold answer 14)", "", "    [A +0.500] 3 + 4 = 7",
                                      "    [A +0.000] 7 * 2 = 14", " " * 15 + "#### 14"]
+
+
+def test_silent_groups_counts_groups_without_contrast_and_the_credit_found_there():
+    """Groups of one problem's responses: mixed outcomes are not silent; all right / all wrong are, and a silent
+    group's response counts as credited when any of its tokens has a nonzero raw advantage (vines found contrast)."""
+    import torch
+    from runlog import silent_groups
+    groups = [0, 0, 1, 1, 2, 2, 3]
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    advantages = [torch.tensor([0.5]), torch.tensor([-0.5]), torch.zeros(3), torch.zeros(2),
+                  torch.tensor([0.0, -0.3]), torch.zeros(4), torch.zeros(1)]
+    assert silent_groups(groups, rewards, advantages) == [4, 1, 2, 5, 1]
+    assert silent_groups([0, 0], [1.0, 0.0], [torch.ones(1), torch.ones(1)]) == [1, 0, 0, 0, 0]
