@@ -99,6 +99,8 @@ class Config:
     eval_size: int | None = arg(None, "test problems per evaluation (default: all on GPU; CPU default: 32)")
     eval_samples: int | None = arg(None, "samples per test problem, pass@1 = mean correctness (paper: 16; CPU: 4)")
     eval_temperature: float = arg(0.35, "sampling temperature for evaluation")
+    eval_greedy: bool = arg(False, "also greedy pass@1 at each evaluation, beside the sampled one (logged as "
+                                   "eval_greedy_accuracy)")
     save_every: int = arg(10, "write a checkpoint every this many iterations (and at the end, and on Ctrl-C)")
     resume: bool = arg(False, "continue from the last checkpoint in --out-dir")
     overwrite: bool = arg(False, "start afresh in an --out-dir that holds a run, deleting its checkpoints and metrics")

@@ -28,6 +28,7 @@ a frozen copy in it (`sampler_model`), which `sync` refreshes from the fp32 mast
 
 Shapes: B = rows in a batch, P = prompt length (left-padded), V = vocab.
 """
+import dataclasses
 import inspect
 import math
 import os
@@ -343,3 +344,15 @@ def evaluate(sampler, tokenizer, examples, cfg, *, seed: int, keep: list | None 
     mean = total / max(n, 1)
     variance = (squares - n * mean * mean) / (n - 1) if n > 1 else 0.0
     return mean, math.sqrt(max(variance, 0.0) / n) if n > 1 else 0.0
+
+
+def evaluation(sampler, tokenizer, examples, cfg, *, seed: int) -> dict:
+    """train.py's evaluation: pass@1 at --eval-temperature from --eval-samples per problem (eval_accuracy, eval_se)
+    and, with --eval-greedy, greedy pass@1 beside it (eval_greedy_accuracy, eval_greedy_se)."""
+    accuracy, se = evaluate(sampler, tokenizer, examples, cfg, seed=seed)
+    record = {"eval_accuracy": accuracy, "eval_se": se}
+    if cfg.eval_greedy:
+        greedy = dataclasses.replace(cfg, eval_temperature=0.0, eval_samples=1)
+        record["eval_greedy_accuracy"], record["eval_greedy_se"] = evaluate(sampler, tokenizer, examples, greedy,
+                                                                            seed=seed)
+    return record

@@ -25,7 +25,7 @@ from grader import grade
 from model import (Scorer, load_model, load_tokenizer, max_positions, new_value_head, pick_device, pick_dtype,
                    resolve_model)
 from ppo import micro_batches, pad_episodes, policy_optimizer, policy_update
-from rollout import evaluate, make_sampler, open_engine, rollouts
+from rollout import evaluation, make_sampler, open_engine, rollouts
 from runlog import Clock, Meter, RunLog, due, iteration_record, return_free_memory, stop_after_interrupt
 from sampling import row_seed
 
@@ -85,12 +85,11 @@ def main(cfg: Config):
         if start == 0:
             meter = Meter(device)
             meter.start()
-            accuracy, se = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+            record = evaluation(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
             meter.stop("eval")
-            runlog.write({"iteration": 0, "eval_accuracy": accuracy, "eval_se": se, "train_seconds": 0.0,
-                          **meter.record()})
-            dist.print0(f"iteration 0: eval pass@1 {accuracy:.3f} ± {se:.3f} on {len(test_set)} problems x "
-                        f"{cfg.eval_samples} ({meter.seconds['eval']:.0f}s)")
+            runlog.write({"iteration": 0, **record, "train_seconds": 0.0, **meter.record()})
+            dist.print0(f"iteration 0: eval pass@1 {record['eval_accuracy']:.3f} ± {record['eval_se']:.3f} on "
+                        f"{len(test_set)} problems x {cfg.eval_samples} ({meter.seconds['eval']:.0f}s)")
         runlog.start_clock()
         for it in range(start, cfg.iterations):
             meter, t0, payload = Meter(device), time.perf_counter(), dist.PAYLOAD["bytes"]
@@ -151,7 +150,7 @@ def main(cfg: Config):
             evaluating = due(done, every=cfg.eval_every, last=cfg.iterations, now=clock.out_of_time or clock.crossed)
             if evaluating:
                 meter.start()
-                record["eval_accuracy"], record["eval_se"] = evaluate(sampler, tokenizer, test_set, cfg, seed=cfg.seed)
+                record.update(evaluation(sampler, tokenizer, test_set, cfg, seed=cfg.seed))
                 meter.stop("eval")
             record.update(meter.record(), seconds=time.perf_counter() - t0,
                           comm_bytes=dist.PAYLOAD["bytes"] - payload)  # what this rank sent to collectives

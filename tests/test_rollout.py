@@ -225,3 +225,21 @@ def test_generate_sampler_still_works(smol, prompts):
     out = GenerateSampler(model, tokenizer).sample(prompts[:2], n=1, temperature=0.0, top_p=1.0, max_new_tokens=8)
     for prompt, group in zip(prompts, out):
         assert group[0].token_ids == reference_greedy(model, prompt, 8, HFSampler(model, tokenizer).stop_ids)
+
+
+def test_evaluation_adds_greedy_pass1_only_with_eval_greedy(monkeypatch):
+    """rollout.evaluation: the sampled pass@1 always; with --eval-greedy also greedy (temperature 0, one sample)."""
+    import rollout
+    from config import parse_config
+    calls = []
+
+    def scripted(sampler, tokenizer, examples, cfg, *, seed, keep=None):
+        calls.append((cfg.eval_temperature, cfg.eval_samples))
+        return (0.5, 0.02) if cfg.eval_temperature else (0.4, 0.03)
+    monkeypatch.setattr(rollout, "evaluate", scripted)
+    cfg = parse_config(["--device", "cpu", "--eval-samples", "16", "--eval-temperature", "0.35"])
+    assert rollout.evaluation(None, None, [], cfg, seed=0) == {"eval_accuracy": 0.5, "eval_se": 0.02}
+    cfg = parse_config(["--device", "cpu", "--eval-samples", "16", "--eval-temperature", "0.35", "--eval-greedy"])
+    assert rollout.evaluation(None, None, [], cfg, seed=0) == {"eval_accuracy": 0.5, "eval_se": 0.02,
+                                                               "eval_greedy_accuracy": 0.4, "eval_greedy_se": 0.03}
+    assert calls == [(0.35, 16), (0.35, 16), (0.0, 1)]
