@@ -246,7 +246,9 @@ def credit_summary(out: Path, *, settings: list[str], started: float | None, ext
                      ("F", {s: SETTINGS[s][1] for s in diffs if SETTINGS[s][0] == 4})):
         slopes[name] = {axis: slope_over_seeds({x: diffs[s][axis] for s, x in xs.items()})
                         for axis in ("iteration", "token", "wall-clock")}
-    lines += ["", "Slope of vine − grpo (per seed, then mean ± SE over the seeds that have every point):", "",
+    lines += ["", "Slope of vine − grpo (per seed, then mean ± SE over the seeds that have every point; per sampled token "
+              "and per wall-clock it is mostly the cost ratio: grpo's last pass@1 is held flat after its run ends, "
+              "over most of those axes):", "",
               "| against | per iteration | per sampled token | per wall-clock | seeds | > 2 SE from 0 |",
               "| --- | --- | --- | --- | --- | --- |"]
     for name, by_axis in slopes.items():
