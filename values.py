@@ -335,8 +335,12 @@ def passing_through(states: list[list[tuple]], *, prompts: list[list[int]],
     groups = {}  # prompt -> its responses (a prompt drawn twice in a batch: all its responses)
     for i, prompt in enumerate(prompts):
         groups.setdefault(tuple(prompt), []).append(i)
-    return {key: responses_through(key, prompt=tuple(prompts[i]), sequences=sequences, groups=groups)
-            for i in range(len(states)) for key in states[i]}  # a key seen again maps to the same list
+    through = {}
+    for i, keys in enumerate(states):
+        for key in keys:
+            if key not in through:  # a state several responses share: once
+                through[key] = responses_through(key, prompt=tuple(prompts[i]), sequences=sequences, groups=groups)
+    return through
 
 
 def vine_requests(states: list[list[tuple]], *, prompts, responses, step_starts, answers, K: int,

@@ -40,18 +40,11 @@ def one_error_line(argv, capsys) -> str:
     (["--dataset", "chain", "--chain-filler", "-1"], "--chain-filler takes 0 or more filler lines, with --dataset "
                                                      "chain only (got -1 with --dataset chain)"),
     # issue 60: topup with a reward-driven stopping rule is biased; free samples without vines do nothing
-    (["--free-samples", "topup", "--k-mode", "budget"],
-     "--free-samples topup takes --k-mode fixed only (got budget): with adaptive or official K, how many vines a "
-     "state gets would depend on the rewards of the responses whose values they set (a bias, "
-     "docs/free-samples.md); budget shares vines over all states, not state by state"),
-    (["--free-samples", "topup", "--k-mode", "adaptive"],
-     "--free-samples topup takes --k-mode fixed only (got adaptive): with adaptive or official K, how many vines a "
-     "state gets would depend on the rewards of the responses whose values they set (a bias, "
-     "docs/free-samples.md); budget shares vines over all states, not state by state"),
-    (["--free-samples", "topup", "--k-mode", "official"],
-     "--free-samples topup takes --k-mode fixed only (got official): with adaptive or official K, how many vines a "
-     "state gets would depend on the rewards of the responses whose values they set (a bias, "
-     "docs/free-samples.md); budget shares vines over all states, not state by state"),
+    *[(["--free-samples", "topup", "--k-mode", mode],
+       f"--free-samples topup takes --k-mode fixed only (got {mode}): with adaptive or official K, how many vines a "
+       "state gets would depend on the rewards of the responses whose values they set (a bias, "
+       "docs/free-samples.md); budget shares vines over all states, not state by state")
+      for mode in ("budget", "adaptive", "official")],
     (["--free-samples", "add", "--estimator", "grpo"],
      "--free-samples add feeds vines, which --estimator grpo does not sample: drop it, or use "
      "--estimator vine"),
