@@ -23,10 +23,11 @@ from pathlib import Path
 from scripts.plot import area, mean_se
 from scripts.replicate import sft_stage
 from scripts.testbed import OUT as TESTBED
+from scripts.testbed import ARMS as TESTBED_ARMS
 from scripts.testbed import SFT_SETTINGS, arm_grid, grid_arguments, grid_choices, paired_cells
 
 OUT = "runs/free-samples"  # the default output, ignored by git (the committed grid: --out results/free-samples)
-ARMS = {"vine": ["--estimator", "vine"], "vine-free": ["--estimator", "vine", "--free-samples", "topup"],
+ARMS = {"vine": ["--estimator", "vine"], "vine-free": TESTBED_ARMS["vine-free"],
         "grpo": ["--estimator", "grpo"],
         # issue 58, added after the grid above: the paper's PPO (a separate critic; its value lr from
         # results/free-samples/value-lr-sweep) and the head it replaces (testbed SETTINGS' value lr 1e-3)
@@ -41,7 +42,7 @@ def token_curve(records: list[dict]) -> list[tuple[float, float]]:
     out, total = [], 0.0
     for r in records:
         if r["iteration"] > 0:
-            total += r.get("sampled_tokens", r["response_length"] * BATCH + r.get("vine_tokens", 0))
+            total += r["sampled_tokens"] if "sampled_tokens" in r else r["response_length"] * BATCH + r.get("vine_tokens", 0)
         if "eval_accuracy" in r:
             out.append((total / 1e6, r["eval_accuracy"]))
     return out

@@ -2,6 +2,8 @@
 
     python -m scripts.paper_regime --calibrate        each task's SFT to convergence, then its plateau (restartable)
     python -m scripts.paper_regime --lift --seeds 0,1,2    does RL lift the converged start? (restartable)
+    python -m scripts.paper_regime --seeds 0,1,2,3,4       the grid, both tasks (restartable; --task hard: one task)
+    python -m scripts.paper_regime --redraw                the grid's results.md, results.json, curves.png
 
 The paper starts RL from the best checkpoint of an SFT run trained to convergence, and RL still gains 3-10 points:
 the model cannot master the task by imitation. On the testbed's chains it can (a tiny model reaches ~0.9-0.95 by
@@ -24,21 +26,29 @@ samples at T 0.35 (the paper's evaluation), and train pass@1 sampled at T 0.6 (R
 (scripts/testbed.py SETTINGS: 30 iterations of 64 x 8, T 0.6, KL 1e-4, greedy pass@1 on the 500 test problems every
 3 iterations) at two policy lrs, 5e-5 (the testbed's) and 2e-4, two runs at a time, one thread each. A setting lifts
 the start if its mean pass@1 over iterations 3-30 is above the run's own iteration 0 by more than 2 SE over seeds.
+
+The grid (OUT/<task>/<arm>-s<seed>): ARMS from each task's SFT model at lr 5e-5, the lift test's recipe, seeds
+paired; grpo-matched is grpo given vine's sampled tokens (matched_samples: more responses to the same prompts, the
+minibatch scaled so an iteration keeps its 8 optimizer steps). Each run's last policy is evaluated as the paper
+(final_eval: 16 samples at T 0.35). The read-out: scripts/regime_report.py; the design: docs/paper-regime.md.
 """
 import argparse
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from checkpoint import weights_sha256
 from data import load_split
 from engine import HFSampler
 from model import load_model, load_tokenizer
 from rollout import evaluate
 from scripts.plot import mean_se, pm
+from scripts.regime_report import report
 from scripts.replicate import sft_stage, this_machine
-from scripts.testbed import TASK, done_runs, run_grid, sft_digest
+from scripts.testbed import SETTINGS, TASK, done_runs, run_grid, run_state, sft_digest
 
 OUT = "runs/paper-regime"  # the default output, ignored by git (the committed runs: --out results/paper-regime)
 TASKS = {"easy": ["--chain-bug", "borrow", "--chain-bug-rate", "0.7"],
@@ -49,6 +59,39 @@ SFT_SETTINGS = [*TASK, "--model", "scratch", "--epochs", "15", "--batch-size", "
                 "--stop-size", "200"]
 LIFT_ARMS = {f"{estimator}-lr{lr}": ["--estimator", estimator, "--lr", lr]
              for estimator in ("grpo", "vine") for lr in ("5e-5", "2e-4")}
+PROMPTS, SAMPLES, MINIBATCH = 64, 8, 64  # SETTINGS' batch: 64 prompts x 8 responses, 8 optimizer steps an iteration
+
+
+def matched_samples(*, vine_tokens: float, grpo_tokens: float, multiple: int = 4) -> int:
+    """Responses per prompt that give grpo vine's sampled tokens an iteration: SAMPLES scaled by vine's tokens over
+    grpo's (each an iteration's mean), to the nearest multiple of `multiple` (so that the minibatch, MINIBATCH / SAMPLES
+    x this, splits into SETTINGS' micro-batches of 32)."""
+    return max(multiple, multiple * round(SAMPLES * vine_tokens / grpo_tokens / multiple))
+
+
+def matched_flags(samples_per_prompt: int) -> list[str]:
+    """grpo-matched's train.py flags: samples_per_prompt responses to each of the same 64 prompts, the minibatch
+    scaled with them, so that an iteration still takes PROMPTS x SAMPLES / MINIBATCH = 8 optimizer steps."""
+    return ["--estimator", "grpo", "--samples-per-prompt", str(samples_per_prompt),
+            "--minibatch-size", str(MINIBATCH * samples_per_prompt // SAMPLES)]
+
+
+# grpo-matched's responses per prompt: matched_samples on the lift test's seed-0 runs at lr 5e-5 (vine's and grpo's
+# mean sampled tokens an iteration: easy 85.0k / 19.5k -> 34.9; hard 95.2k / 19.6k -> 38.8)
+MATCHED = {"easy": 36, "hard": 40}
+ARMS = {"vine": ["--estimator", "vine"],  # K = 9 fresh vines at every state (the paper)
+        "vine-free": ["--estimator", "vine", "--free-samples", "topup"],  # the group's responses count toward K
+        "critic": ["--estimator", "critic", "--critic", "separate", "--value-lr", "1e-3"],  # the paper's PPO
+        "grpo": ["--estimator", "grpo"],
+        "grpo-matched": None}  # grpo given vine's sampled tokens: matched_flags(MATCHED[task])
+
+
+def grid_arms(task: str) -> dict[str, list[str]]:
+    """The grid's arms on one task: ARMS with grpo-matched's flags for that task's MATCHED samples."""
+    return {arm: flags or matched_flags(MATCHED[task]) for arm, flags in ARMS.items()}
+
+
+ADOPTED = {"grpo": "grpo-lr5e-5", "vine": "vine-lr5e-5"}  # grid arms whose command a lift arm already ran
 # (evaluation temperature, samples per problem, split, problems): the plateau's three measurements
 PLATEAU = {"test greedy": (0.0, 1, "test", 500), "test T 0.35 x 16": (0.35, 16, "test", 500),
            "train T 0.6 x 4": (0.6, 4, "train", 500)}
@@ -114,30 +157,82 @@ def lift(out: Path, *, seeds: list[int], jobs: int, redraw: bool) -> str:
     return "\n".join(lines)
 
 
+def adopt_lift_runs(task_dir: Path, *, seeds: list[int]) -> list[str]:
+    """Copy into task_dir the lift test's finished runs whose command a grid arm repeats (ADOPTED: the same train.py
+    flags and start), for the seeds asked whose grid folder is still empty; returns the names copied."""
+    copied, start = [], sft_digest(task_dir / "sft")
+    for arm, lift_arm in ADOPTED.items():
+        for seed in seeds:
+            source, target = task_dir / "lift" / f"{lift_arm}-s{seed}", task_dir / f"{arm}-s{seed}"
+            if run_state(source, start=start) == "done" and not target.exists():
+                shutil.copytree(source, target)
+                copied.append(target.name)
+    return copied
+
+
+def final_eval(run_dir: Path) -> dict:
+    """run_dir/final.json, measured once: the run's last checkpoint evaluated as the plateau (PLATEAU: the paper's 16
+    samples at T 0.35 beside greedy, and train at T 0.6), with the checkpoint's name and weights' sha256."""
+    path = run_dir / "final.json"
+    if not path.exists():
+        if not (run_dir / "latest").exists():
+            raise SystemExit(f"error: {run_dir}: no final.json and no checkpoint to measure it on")
+        checkpoint = run_dir / (run_dir / "latest").read_text().split()[0]
+        path.write_text(json.dumps({"checkpoint": checkpoint.name, "sha256": weights_sha256(checkpoint),
+                                    **plateau(checkpoint)}, indent=1))
+    return json.loads(path.read_text())
+
+
+def grid(out: Path, *, tasks: list[str], arms: list[str], seeds: list[int], jobs: int) -> list[Path]:
+    """The grid: grid_arms (those chosen) from each task's SFT model (made first if missing), seed by seed, `jobs` at a
+    time; the lift test's runs that a grid arm repeats are copied, not rerun (adopt_lift_runs); every finished run's
+    last policy evaluated (final_eval). Returns the folders of the runs now done."""
+    folders = {out / task: sft_stage(out / task, settings=SFT_SETTINGS + TASKS[task])[0] for task in tasks}
+    for folder in folders:
+        adopt_lift_runs(folder, seeds=seeds)
+    cells = [(folder, arm, seed) for seed in seeds for folder in folders for arm in arms]
+    run_grid(cells, sft_dirs=folders, extras={folder: [] for folder in folders}, jobs=jobs, machine=this_machine(),
+             folder_arms={folder: grid_arms(folder.name) for folder in folders}, on_done=final_eval)
+    done = [folder / f"{arm}-s{seed}" for folder, arm, seed in cells]
+    for run_dir in done:
+        final_eval(run_dir)  # those finished by an earlier invocation
+    return done
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibrate", action="store_true", help="each task's SFT to convergence and its plateau")
     parser.add_argument("--lift", action="store_true", help="grpo and vine at two lrs from each task's SFT model")
-    parser.add_argument("--seeds", default="0,1,2", help="--lift: comma-separated seeds")
-    parser.add_argument("--jobs", type=int, default=2, help="--lift: runs at once, one thread each")
-    parser.add_argument("--redraw", action="store_true", help="--lift: run nothing, summarize the finished runs")
+    parser.add_argument("--task", default="easy,hard", help=f"the grid: comma-separated, of {list(TASKS)}")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"the grid: comma-separated, of {list(ARMS)}")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (the grid: 0,1,2,3,4; --lift: 0,1,2)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument("--redraw", action="store_true", help="run nothing, summarize the finished runs")
     parser.add_argument("--out", default=OUT, help=f"results folder (default {OUT}, outside git)")
     args = parser.parse_args()
-    if not (args.calibrate or args.lift):
-        parser.error("nothing to do: pass --calibrate or --lift (the grid comes next, docs/paper-regime.md)")
-    if not all(x.strip().isdigit() for x in args.seeds.split(",")) or args.jobs < 1:
-        parser.error(f"--seeds takes comma-separated non-negative integers and --jobs at least 1 (got "
-                     f"{args.seeds!r}, {args.jobs})")
+    seeds = args.seeds or ("0,1,2" if args.lift else "0,1,2,3,4")
+    tasks, arms = args.task.split(","), args.arms.split(",")
+    if not all(x.strip().isdigit() for x in seeds.split(",")) or args.jobs < 1:
+        parser.error(f"--seeds takes comma-separated non-negative integers and --jobs at least 1 (got {seeds!r}, "
+                     f"{args.jobs})")
+    if bad := [t for t in tasks if t not in TASKS] + [a for a in arms if a not in ARMS]:
+        parser.error(f"--task / --arms: unknown {bad} (tasks {list(TASKS)}, arms {list(ARMS)})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.calibrate:
+        text = (f"SFT: `sft.py {' '.join(SFT_SETTINGS)}` plus each task's flags; plateau in fp32, top-p 0.9, 500 "
+                f"problems each.\n\n{calibrate(out)}\n")
+        (out / "calibration.md").write_text(text)
+        return print(text)
     if args.lift:
-        text = lift(out, seeds=[int(x) for x in args.seeds.split(",")], jobs=args.jobs, redraw=args.redraw)
+        text = lift(out, seeds=[int(x) for x in seeds.split(",")], jobs=args.jobs, redraw=args.redraw)
         (out / "lift.md").write_text(text + "\n")
         return print(text)
-    text = (f"SFT: `sft.py {' '.join(SFT_SETTINGS)}` plus each task's flags; plateau in fp32, top-p 0.9, 500 "
-            f"problems each.\n\n{calibrate(out)}\n")
-    (out / "calibration.md").write_text(text)
-    print(text)
+    if not args.redraw:
+        torch.set_num_threads(1)  # the final evaluations run here beside the other job
+        grid(out, tasks=tasks, arms=arms, seeds=[int(x) for x in seeds.split(",")], jobs=args.jobs)
+    tasks = [t for t in TASKS if (out / t / "sft" / "plateau.json").exists()]
+    print(report(out, settings=SETTINGS, arms={t: {a: f for a, f in grid_arms(t).items() if a in arms} for t in tasks}))
 
 
 if __name__ == "__main__":

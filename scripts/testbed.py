@@ -1,7 +1,7 @@
 """The laptop testbed: a tiny model trained from scratch on the compact chain task, then RL with every estimator at
 the paper's batch size, through the same train.py as the real runs.
 
-    python -m scripts.testbed                        SFT, then one seed of vine, vine-adaptive, critic, grpo, rloo
+    python -m scripts.testbed                        SFT, then one seed of each of DEFAULT's arms (~20 min, 2 cores)
     python -m scripts.testbed --seeds 0,1,2,3,4      the grid (restartable: finished runs are skipped)
     python -m scripts.testbed --redraw               only the summary and the pictures from the finished runs
     python -m scripts.testbed --out results/testbed  the committed reference grid (default runs/testbed: outside git)
@@ -19,13 +19,16 @@ model: one made from another is a one-line error, never reused.
 machine; each run's wall-clock is then measured beside one other run (recorded in machine.json).
 Then OUT/results.md, results.json and curves.png over every finished run: pass@1 against iterations and against
 training minutes (mean +- SE over seeds), test pass@1 against train reward, and the paired differences to vine;
-printed after it, this invocation's runs and the committed reference grid (REFERENCE) beside them.
+printed after it, this invocation's runs and the committed reference grids (REFERENCES) beside them.
+DEFAULT, the one command's arms: vine (K = 9), vine-free (free samples, topup), the paper's PPO (a separate critic),
+grpo and rloo; any of ARMS by --estimators.
 """
 import argparse
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from scripts.plot import mean_se, plot_bands, pm, read_metrics, summarize_grid, summary_markdown
@@ -42,7 +45,11 @@ SFT_SETTINGS = [*TASK, "--model", "scratch", "--max-steps", "300", "--batch-size
 ITERATIONS, EVAL_EVERY = 30, 3
 THRESHOLD = 0.7  # pass@1 whose time to reach the summary reports (the SFT start: ~0.54)
 OUT = "runs/testbed"  # the default output, ignored by git; the committed grid is written only when --out names it
-REFERENCE = "results/testbed"  # the committed 5-seed grid a newcomer's run is placed beside
+# the committed 5-seed grids from this SFT recipe a newcomer's run is placed beside: every estimator, and the
+# free-sample grid (vine-free and the separate critic)
+REFERENCES = ("results/testbed", "results/free-samples")
+ARMS = {**ESTIMATORS, "vine-free": ["--estimator", "vine", "--free-samples", "topup"]}  # docs/free-samples.md
+DEFAULT = ["vine", "vine-free", "critic-separate", "grpo", "rloo"]  # the one command's arms, the longest first
 SETTINGS = [*TASK, "--prompts-per-iter", "64", "--samples-per-prompt", "8", "--minibatch-size", "64",
             "--micro-batch-size", "32", "--epochs", "1", "--lr", "5e-5", "--value-lr", "1e-3", "--no-lr-decay",
             "--warmup-ratio", "0", "--kl-coef", "1e-4", "--eval-size", "500", "--eval-samples", "1",
@@ -85,11 +92,14 @@ def run_cells(cells: list[tuple[str, int]], *, out: Path, sft_dir: Path, extra: 
 
 
 def run_grid(cells: list[tuple[Path, str, int]], *, sft_dirs: dict[Path, Path], extras: dict[Path, list[str]],
-             jobs: int, machine: dict, arms: dict[str, list[str]] = ESTIMATORS) -> list[tuple[Path, str]]:
+             jobs: int, machine: dict, arms: dict[str, list[str]] = ESTIMATORS,
+             on_done: Callable[[Path], object] | None = None,
+             folder_arms: dict[Path, dict[str, list[str]]] | None = None) -> list[tuple[Path, str]]:
     """Run the cells (folder, arm, seed) that are not done, in order, `jobs` at a time, each from its folder's SFT
-    model (sft_dirs) with its folder's extra train.py flags (extras); each writes its output to its folder's log.txt.
-    A cell made from another SFT model than its folder's is a one-line error, never reused, and nothing runs.
-    Returns the (folder, name) of the cells run."""
+    model (sft_dirs) with its folder's extra train.py flags (extras) and the arm's flags (arms, or the folder's own in
+    folder_arms); each writes its output to its folder's log.txt. A cell made from another SFT model than its folder's
+    is a one-line error, never reused, and nothing runs. on_done(run folder) is called as each run ends (the others go
+    on). Returns the (folder, name) of the cells run."""
     starts = {out: sft_digest(sft_dir) for out, sft_dir in sft_dirs.items()}
     states = {(out, a, s): run_state(out / f"{a}-s{s}", start=starts[out]) for out, a, s in cells}
     for out in sft_dirs:
@@ -103,7 +113,8 @@ def run_grid(cells: list[tuple[Path, str, int]], *, sft_dirs: dict[Path, Path], 
             run_dir = out / f"{arm}-s{seed}"
             run_dir.mkdir(parents=True, exist_ok=True)
             record_machine(run_dir, {**machine, "jobs": jobs}, resuming=states[(out, arm, seed)] == "resume")
-            cmd = command(arm, seed, out=out, sft_dir=sft_dirs[out], extra=extras[out], arms=arms)
+            cmd = command(arm, seed, out=out, sft_dir=sft_dirs[out], extra=extras[out],
+                          arms=(folder_arms or {}).get(out, arms))
             print("$", " ".join(cmd), flush=True)
             log = open(run_dir / "log.txt", "a")
             running.append((run_dir, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log))
@@ -116,6 +127,8 @@ def run_grid(cells: list[tuple[Path, str, int]], *, sft_dirs: dict[Path, Path], 
                 raise SystemExit(f"error: {run_dir} failed; see {run_dir}/log.txt")
             print(f"{run_dir}: done", flush=True)
             ran.append((run_dir.parent, run_dir.name))
+            if on_done:
+                on_done(run_dir)
     return ran
 
 
@@ -210,7 +223,7 @@ def iteration_table(runs: dict[str, dict[int, list[dict]]], *, baseline: str) ->
 def invocation_table(rows: list[dict], *, out: Path, digest: str | None, start: dict) -> str:
     """What this invocation trained, for the person who ran it: each run's start, end and gain (± the SE of one
     evaluation: one seed has no spread over seeds), minutes and seconds an iteration; where the curves are; and the
-    reference grid (REFERENCE, committed) beside it, saying whether it started from the same SFT model."""
+    reference grids (REFERENCES, committed) beside it, saying whether they started from the same SFT model."""
     lines = ["This invocation's runs (± the SE of one evaluation of 500 problems):", "",
              "| run | pass@1 start | end | end − start | minutes | s / iteration |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -220,18 +233,23 @@ def invocation_table(rows: list[dict], *, out: Path, digest: str | None, start: 
                      f"{r['final_pass1'] - r['start_pass1']:+.3f} ± {se} | {r['wall_minutes']:.1f} | "
                      f"{r['seconds_per_iteration']:.1f} |")
     lines += ["", f"Curves: {out / 'curves.png'}; all runs in {out}: {out / 'results.md'}."]
-    reference = ROOT / REFERENCE
-    if out.resolve() != reference.resolve() and (reference / "results.json").exists():
+    for name in REFERENCES:
+        reference = ROOT / name
+        if out.resolve() == reference.resolve() or not (reference / "results.json").exists():
+            continue
         ref = json.loads((reference / "results.json").read_text())
-        ref_digest, ref_start = sft_digest(reference / "sft"), read_metrics(reference / "sft" / "metrics.jsonl")[-1]
+        ref_digest = sft_digest(reference / "sft") or ref.get("sft_sha256")
         machine = json.loads(next(reference.glob("vine-s*/machine.json")).read_text())
-        gains = ", ".join(f"{name} {pm(s['gain'], s['gain_se'], s['seeds'], signed=True)}"
-                          for name, s in ref["summary"].items())
+        gains = ", ".join(f"{arm} {pm(s['gain'], s['gain_se'], s['seeds'], signed=True)}"
+                          for arm, s in ref["summary"].items())
+        sft_metrics = reference / "sft" / "metrics.jsonl"
+        ref_start = read_metrics(sft_metrics)[-1].get("eval_accuracy", float("nan")) if sft_metrics.exists() else None
         same = "the same SFT model as yours" if ref_digest == digest else (
-            f"another SFT model ({str(ref_digest)[:12]}, its SFT evaluation {ref_start['eval_accuracy']:.3f}; yours "
-            f"{str(digest)[:12]}, {start.get('eval_accuracy', float('nan')):.3f}): SFT from scratch lands elsewhere on "
-            f"another CPU, so compare gains, not pass@1")
-        lines.append(f"Reference grid ({REFERENCE}, {max(s['seeds'] for s in ref['summary'].values())} seeds on "
+            f"another SFT model ({str(ref_digest)[:12]}"
+            + (f", its SFT evaluation {ref_start:.3f}" if ref_start is not None else "")
+            + f"; yours {str(digest)[:12]}, {start.get('eval_accuracy', float('nan')):.3f}): SFT from scratch lands "
+            "elsewhere on another CPU, so compare gains, not pass@1")
+        lines.append(f"Reference grid ({name}, {max(s['seeds'] for s in ref['summary'].values())} seeds on "
                      f"{describe(machine)}) started from {same}; its end − start, mean ± SE over seeds: {gains}.")
     return "\n".join(lines)
 
@@ -275,11 +293,13 @@ def runs_table(folder: Path) -> str:
     return "\n".join(lines)
 
 
-def grid_arguments(parser: argparse.ArgumentParser, *, arm: str, arms: dict[str, list[str]], out: str):
-    """The flags of a testbed grid (this one, scripts.branching's): --seeds, --<arm>s (which arms), --jobs, --out,
-    --redraw; anything else goes to train.py."""
+def grid_arguments(parser: argparse.ArgumentParser, *, arm: str, arms: dict[str, list[str]], out: str,
+                   default: list[str] | None = None):
+    """The flags of a testbed grid (this one, scripts.branching's): --seeds, --<arm>s (which arms; default: `default`,
+    else all), --jobs, --out, --redraw; anything else goes to train.py."""
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    parser.add_argument(f"--{arm}s", default=",".join(arms), help=f"comma-separated, of {list(arms)}")
+    parser.add_argument(f"--{arm}s", default=",".join(default or arms),
+                        help=f"comma-separated, of {list(arms)} (default {','.join(default or arms)})")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each (default 2)")
     parser.add_argument("--out", default=out, help=f"results folder (default {out}, outside git; the committed grid "
                         "is written only when --out names it)")
@@ -319,10 +339,10 @@ def arm_grid(args, extra: list[str], *, arms: dict[str, list[str]], chosen: list
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    grid_arguments(parser, arm="estimator", arms=ESTIMATORS, out=OUT)
+    grid_arguments(parser, arm="estimator", arms=ARMS, out=OUT, default=DEFAULT)
     parser.add_argument("--table", default=None, help="run nothing: print a table of the runs in this folder (a sweep)")
     args, extra = parser.parse_known_args()  # anything else goes to train.py
-    estimators, seeds = grid_choices(args, arm="estimator", arms=ESTIMATORS)
+    estimators, seeds = grid_choices(args, arm="estimator", arms=ARMS)
     if args.table:
         return print(runs_table(Path(args.table)))
     out, started, ran = Path(args.out), time.time(), []
@@ -330,8 +350,8 @@ def main():
     if not args.redraw:
         sft_dir, _ = sft_stage(out, settings=SFT_SETTINGS)  # once; resumed if it was cut off
         cells = [(e, s) for s in seeds for e in estimators]
-        ran = run_cells(cells, out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs, machine=this_machine())
-    print("\n".join(summary(out, started=None if args.redraw else started, extra=extra, ran=ran)))
+        ran = run_cells(cells, out=out, sft_dir=sft_dir, extra=extra, jobs=args.jobs, machine=this_machine(), arms=ARMS)
+    print("\n".join(summary(out, started=None if args.redraw else started, extra=extra, ran=ran, arms=ARMS)))
 
 
 if __name__ == "__main__":

@@ -276,3 +276,19 @@ def test_paper_regime_lift_summary_says_lifted_only_above_two_se(tmp_path):
     assert [(r[0], r[1], r[2], r[4], r[-1]) for r in rows] == [
         ("| easy", "grpo-lr5e-5", "3", "+0.060 ± 0.006", "yes |"), ("| easy", "vine-lr5e-5", "3", "+0.007 ± 0.026", "no |"),
         ("| hard", "grpo-lr5e-5", "3", "+0.060 ± 0.006", "yes |"), ("| hard", "vine-lr5e-5", "3", "+0.007 ± 0.026", "no |")]
+
+
+def test_the_one_command_runs_the_default_arms_each_beside_a_committed_reference():
+    """`python -m scripts.testbed` with no flags runs DEFAULT (vine, vine-free, the separate critic, grpo, rloo: the
+    vine-adaptive arm left its default list to keep the command near 20 minutes); every one of them has a committed
+    5-seed grid from the same SFT recipe among REFERENCES to be placed beside."""
+    import argparse
+    from scripts import testbed
+    parser = argparse.ArgumentParser()
+    testbed.grid_arguments(parser, arm="estimator", arms=testbed.ARMS, out=testbed.OUT, default=testbed.DEFAULT)
+    assert parser.parse_args([]).estimators == "vine,vine-free,critic-separate,grpo,rloo"
+    summaries = {ref: json.loads((REPO / ref / "results.json").read_text()) for ref in testbed.REFERENCES}
+    for arm in testbed.DEFAULT:
+        assert any(summary["summary"].get(arm, {}).get("seeds") == 5 for summary in summaries.values()), arm
+    # the same SFT recipe (its weights differ between CPUs: the invocation table says which start each grid had)
+    assert all(summary["sft"] == testbed.SFT_SETTINGS for summary in summaries.values())
