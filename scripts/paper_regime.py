@@ -186,17 +186,17 @@ def final_eval(run_dir: Path) -> dict:
 def grid(out: Path, *, tasks: list[str], arms: list[str], seeds: list[int], jobs: int) -> list[Path]:
     """The grid: grid_arms (those chosen) from each task's SFT model (made first if missing), seed by seed, `jobs` at a
     time; the lift test's runs that a grid arm repeats are copied, not rerun (adopt_lift_runs); every finished run's
-    last policy evaluated (final_eval). Returns the folders of the runs now done."""
+    last policy evaluated (final_eval). Returns the cells' folders."""
     folders = {out / task: sft_stage(out / task, settings=SFT_SETTINGS + TASKS[task])[0] for task in tasks}
     for folder in folders:
         adopt_lift_runs(folder, seeds=seeds)
     cells = [(folder, arm, seed) for seed in seeds for folder in folders for arm in arms]
+    for folder, arm, seed in cells:  # those adopted or finished by an earlier invocation
+        if run_state(folder / f"{arm}-s{seed}", start=sft_digest(folder / "sft")) == "done":
+            final_eval(folder / f"{arm}-s{seed}")
     run_grid(cells, sft_dirs=folders, extras={folder: [] for folder in folders}, jobs=jobs, machine=this_machine(),
              folder_arms={folder: grid_arms(folder.name) for folder in folders}, on_done=final_eval)
-    done = [folder / f"{arm}-s{seed}" for folder, arm, seed in cells]
-    for run_dir in done:
-        final_eval(run_dir)  # those finished by an earlier invocation
-    return done
+    return [folder / f"{arm}-s{seed}" for folder, arm, seed in cells]
 
 
 def main():
