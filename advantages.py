@@ -9,6 +9,9 @@ The baselines of the paper's comparison, all feeding the same PPO update (`--est
     grpo:   one advantage per response, (r - mean) / std over the prompt's group  -> group_baseline_advantages
     rloo:   one advantage per response, r minus the mean of the group's others    -> group_baseline_advantages
 
+--vines-where silent (docs/vines-where.md): vines only in the groups without contrast (silent_responses), whose step
+advantages are put in grpo's units (in_group_units); the other groups take grpo's.
+
 Sections 4 and 5 of train.py are `values_for` and `advantages_for`: the only places that branch on --estimator.
 
 Shapes: T = steps of one response, L = tokens of one response, N = all response tokens of a batch, B = responses of a
@@ -82,6 +85,27 @@ def group_baseline_advantages(*, rewards: list[float], groups: list[int], length
     return out
 
 
+def silent_responses(*, rewards: list[float], groups: list[int]) -> list[bool]:
+    """Whether each response's group (groups[i] names its prompt) holds one outcome only, all right or all wrong:
+    where grpo's advantages are 0 and only vines can find contrast (--vines-where silent)."""
+    outcomes = {}
+    for g, r in zip(groups, rewards):
+        outcomes.setdefault(g, set()).add(r)
+    return [len(outcomes[g]) == 1 for g in groups]
+
+
+def in_group_units(advantages: list[torch.Tensor], *, values: list[list[float]], groups: list[int]):
+    """--vines-where silent: silent groups' vine advantages in grpo's units. grpo divides a group's r - mean by the sd
+    of its outcomes; here each group's step advantages are divided by sqrt(p (1 - p)) + 1e-4, p the mean of its
+    responses' state values (what its vines saw). A group whose vines found no contrast has all values equal to its
+    reward and keeps advantages of 0."""
+    states = {}
+    for v, g in zip(values, groups):
+        states.setdefault(g, []).extend(v[:-1])  # the terminal 0 is no state
+    sd = {g: (sum(vs) / len(vs) * (1 - sum(vs) / len(vs))) ** 0.5 if vs else 0.0 for g, vs in states.items()}
+    return [a / (sd[g] + 1e-4) for a, g in zip(advantages, groups)]
+
+
 def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
     """Normalise all response tokens of the batch together to mean 0, std 1 (under torchrun: of the global batch)."""
     flat = torch.cat(advantages).double()  # (N,)
@@ -94,7 +118,8 @@ def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
 def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P: int, micro: list, sampler, scorer,
                tokenizer, cfg, seed: int, critic=None):
     """train.py's section 4. vine: split every response into steps (--step-split; entropy:F scores the batch first)
-    and estimate the value of the state before each step from K vines (values.estimate_values). critic: the value
+    and estimate the value of the state before each step from K vines (values.estimate_values); with --vines-where
+    silent only for the responses of groups without contrast (the others' values are None). critic: the value
     of every response token, from the separate critic's forward (`critic`, critic.SeparateCritic) or with --critic
     head from the policy's forward pass that gives the old log-probs (kept in `batch` for the update).
     grpo / rloo: no values.
@@ -108,14 +133,20 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
             entropies = [scored["entropy"][i, :len(r)].tolist() for i, r in enumerate(episodes.responses)]
         starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task=cfg.task, split=cfg.step_split,
                                     logprobs=s.logprobs, entropies=e) for s, e in zip(episodes.samples, entropies)]
-        values, stats = estimate_values(
-            sampler=sampler, prompts=episodes.prompts, responses=episodes.responses, step_starts=starts,
-            rewards=rewards, answers=episodes.answers, grader=cfg.grader, K=cfg.k, temperature=cfg.temperature,
-            top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, max_value_steps=cfg.max_value_steps or None,
-            seed=seed, k_mode=cfg.k_mode, k_round=cfg.k_round, k_max=cfg.k_max, k_ci=cfg.k_ci,
-            free_samples=cfg.free_samples)
+        vined = [i for i, silent in enumerate(silent_responses(rewards=rewards, groups=episodes.groups))
+                 if silent or cfg.vines_where == "all"]  # --vines-where silent: the groups without contrast only
+        pick = lambda items: [items[i] for i in vined]  # noqa: E731
+        estimated, stats = estimate_values(
+            sampler=sampler, prompts=pick(episodes.prompts), responses=pick(episodes.responses),
+            step_starts=pick(starts), rewards=pick(rewards), answers=pick(episodes.answers), grader=cfg.grader,
+            K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            max_value_steps=cfg.max_value_steps or None, seed=seed, k_mode=cfg.k_mode, k_round=cfg.k_round,
+            k_max=cfg.k_max, k_ci=cfg.k_ci, free_samples=cfg.free_samples)
+        values = [None] * len(starts)  # None: a response without vines (its group has contrast)
+        for i, v in zip(vined, estimated):
+            values[i] = v
         stats["steps_per_response"] = dist.mean(list(map(len, starts)))
-        stats["value_mean"] = dist.mean([v for vs in values for v in vs[:-1]])
+        stats["value_mean"] = dist.mean([v for vs in estimated for v in vs[:-1]])
         return values, starts, stats
     if estimator == "critic":
         batch["old_logprobs"], token_values, batch["log_mass"] = batch_logprobs(
@@ -128,15 +159,25 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
 
 
 def advantages_for(estimator: str, *, values, starts, rewards: list[float], episodes, batch: dict, cfg):
-    """train.py's section 5. vine: GAE over the step values, every token of a step gets its step's advantage.
+    """train.py's section 5. vine: GAE over the step values, every token of a step gets its step's advantage (with
+    --vines-where silent: groups with contrast take grpo's, the silent ones their vines' in grpo's units).
     critic: GAE over the token values (and the value targets, into `batch`). grpo / rloo: one advantage per response
     from its group's rewards. The advantages (whitened over the batch with --whiten) go into batch["advantages"]
     (B, R); returns the raw ones, one (L,) tensor per response, for the log."""
     responses, R = episodes.responses, batch["response_mask"].shape[1]
     if estimator == "vine":
         token_steps = [token_step_index(len(r), st) for r, st in zip(responses, starts)]
-        advantages = vine_advantages(values=values, rewards=rewards, token_steps=token_steps, gamma=cfg.gamma,
-                                     lam=cfg.lam)
+        vined = [i for i, v in enumerate(values) if v is not None]  # every response; --vines-where silent: theirs
+        step = vine_advantages(values=[values[i] for i in vined], rewards=[rewards[i] for i in vined],
+                               token_steps=[token_steps[i] for i in vined], gamma=cfg.gamma, lam=cfg.lam)
+        if cfg.vines_where == "silent":  # the others: grpo's, from their group's contrast
+            advantages = group_baseline_advantages(rewards=rewards, groups=episodes.groups,
+                                                   lengths=list(map(len, responses)), kind="grpo")
+            step = in_group_units(step, values=[values[i] for i in vined], groups=[episodes.groups[i] for i in vined])
+            for i, a in zip(vined, step):
+                advantages[i] = a
+        else:
+            advantages = step
     elif estimator == "critic":
         advantages, returns = critic_advantages(values=values, rewards=rewards, gamma=cfg.gamma, lam=cfg.lam)
         batch["old_values"], batch["returns"] = pad_rows(values, R), pad_rows(returns, R)  # (B, R) each

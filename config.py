@@ -62,6 +62,12 @@ class Config:
                                    "other responses through the state (leave-one-out); topup: fresh vines only where "
                                    "those fall short of K (--k-mode fixed only)",
                             choices=["off", "add", "topup"])
+    vines_where: str = arg("all", "where vines are sampled (docs/vines-where.md): all (the paper: every state of "
+                                  "every response); silent: only in groups whose responses all got the same reward, "
+                                  "the others take grpo's advantages", choices=["all", "silent"])
+    resample_silent: int = arg(0, "grpo / rloo: this many fresh responses more to the prompt of every group whose "
+                                  "responses all got the same reward, joined to its group (the comparator of "
+                                  "--vines-where silent; 0: off); the update keeps its number of optimizer steps")
     temperature: float = arg(0.6, "sampling temperature for rollouts and vines")
     top_p: float = arg(0.9, "nucleus sampling threshold")
     gamma: float = arg(1.0, "discount")
@@ -236,6 +242,12 @@ def parse_config(argv=None) -> Config:
     if cfg.free_samples != "off" and cfg.estimator != "vine":
         parser.error(f"--free-samples {cfg.free_samples} feeds vines, which --estimator {cfg.estimator} does not "
                      f"sample: drop it, or use --estimator vine")
+    if cfg.vines_where != "all" and cfg.estimator != "vine":
+        parser.error(f"--vines-where {cfg.vines_where} says where to sample vines, which --estimator {cfg.estimator} "
+                     f"does not sample: drop it, or use --estimator vine")
+    if cfg.resample_silent < 0 or cfg.resample_silent and (cfg.estimator not in ("grpo", "rloo") or world > 1):
+        parser.error(f"--resample-silent takes 0 (off) or more fresh responses, with --estimator grpo or rloo on one "
+                     f"process (got {cfg.resample_silent} with --estimator {cfg.estimator}, {world} rank(s))")
     if cfg.free_samples == "topup" and cfg.k_mode != "fixed":
         parser.error(f"--free-samples topup takes --k-mode fixed only (got {cfg.k_mode}): with adaptive or official "
                      f"K, how many vines a state gets would depend on the rewards of the responses whose values they "
@@ -308,7 +320,7 @@ RUN_DEFINING = ("dataset", "grader", "estimator", "critic", "model", "prompt_for
                 "chain_filler", "k",
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
                 "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
-                "k_max", "k_ci", "free_samples")
+                "k_max", "k_ci", "free_samples", "vines_where", "resample_silent")
 NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track", "task", "total_steps")  # derived
 
 

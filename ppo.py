@@ -291,6 +291,12 @@ def make_optimizer(param_groups: list[dict], *, weight_decay: float, total_steps
     return optimizer, scheduler
 
 
+def grown_minibatch(episodes: int, *, minibatch: int, plain: int, micro: int) -> int:
+    """Episodes per optimizer step: `minibatch`, or for a batch that --resample-silent grew past the `plain` batch
+    (prompts x samples), larger in proportion (whole micro-batches), so that an iteration takes as many steps."""
+    return minibatch if episodes <= plain else math.ceil(episodes * minibatch / plain / micro) * micro
+
+
 def policy_update(scorer, reference_scorer, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor],
                   sampler_logprobs: list[list[float]], cfg) -> dict:
     """train.py's section 6: the log-probs of the sampling policy (unless the critic's pass left them in `batch`) and
@@ -313,8 +319,11 @@ def policy_update(scorer, reference_scorer, optimizer, scheduler, batch: dict, P
     if "returns" in batch:  # the critic's (either kind's) error on these fresh samples, before any update on them
         error = ((batch["old_values"] - batch["returns"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
         mismatch["value_error"] = dist.weighted_mean({"e": error}, weight=mask.sum().item())["e"]
+    minibatch = grown_minibatch(batch["response_mask"].shape[0], minibatch=cfg.minibatch_size // dist.world(),
+                                plain=cfg.prompts_per_iter * cfg.samples_per_prompt // dist.world(),
+                                micro=cfg.micro_batch_size)  # this rank's share of each step
     stats = ppo_update(scorer, optimizer, scheduler, batch, P, groups=groups, epochs=cfg.epochs,
-                       minibatch_size=cfg.minibatch_size // dist.world(),  # this rank's share of each step
+                       minibatch_size=minibatch,
                        clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
                        max_grad_norm=cfg.max_grad_norm, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
     return {**stats, **mismatch}

@@ -276,17 +276,19 @@ class Clock:
 def silent_groups(groups: list[int], rewards: list[float], advantages: list[torch.Tensor]) -> list[int]:
     """Groups (one problem's responses) without contrast, all right or all wrong: grpo's advantages there are 0.
     Returns the counts [groups, silent all right, silent all wrong, responses in silent groups, of them those with a
-    nonzero raw advantage on some token (what vines found there)]."""
+    nonzero raw advantage on some token (what vines found there), silent groups with such a response]."""
     members = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
-    counts = [len(members), 0, 0, 0, 0]
+    counts = [len(members), 0, 0, 0, 0, 0]
     for idx in members.values():
         outcomes = {rewards[i] for i in idx}
         if len(outcomes) == 1:
+            credited = sum(bool((advantages[i] != 0).any()) for i in idx)
             counts[1 if outcomes == {1.0} else 2] += 1
             counts[3] += len(idx)
-            counts[4] += sum(bool((advantages[i] != 0).any()) for i in idx)
+            counts[4] += credited
+            counts[5] += credited > 0
     return counts
 
 
@@ -299,11 +301,12 @@ def iteration_record(done: int, *, episodes, rewards: list[float], advantages: l
     raw = torch.cat(dist.all_gather(torch.cat(advantages)))  # (N,) all ranks' tokens
     response_tokens = dist.all_sum(torch.tensor([sum(map(len, responses))]))[0].item()
     generated = response_tokens + stats.get("vine_tokens", 0)
-    total, right, wrong, silent, credited = dist.all_sum(torch.tensor(silent_groups(episodes.groups, rewards,
-                                                                                    advantages))).tolist()
+    total, right, wrong, silent, credited, found = dist.all_sum(torch.tensor(silent_groups(episodes.groups, rewards,
+                                                                                           advantages))).tolist()
     return {"iteration": done, "train_seconds": clock.seconds, "reward_mean": dist.mean(rewards),
             "silent_frac": (right + wrong) / max(total, 1), "silent_right_frac": right / max(total, 1),
             "silent_wrong_frac": wrong / max(total, 1), "silent_credited_frac": credited / max(silent, 1),
+            "silent_found_frac": found / max(right + wrong, 1),
             "response_length": dist.mean(list(map(len, responses))),
             "finished_frac": dist.mean([float(s.finished) for s in episodes.samples]),
             "advantage_mean": raw.mean().item(), "advantage_std": raw.std().item() if len(raw) > 1 else 0.0,

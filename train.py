@@ -25,7 +25,7 @@ from grader import grade
 from model import (Scorer, load_model, load_tokenizer, max_positions, new_value_head, pick_device, pick_dtype,
                    resolve_model)
 from ppo import micro_batches, pad_episodes, policy_optimizer, policy_update
-from rollout import evaluation, make_sampler, open_engine, rollouts
+from rollout import evaluation, make_sampler, open_engine, resample_silent, rollouts
 from runlog import Clock, Meter, RunLog, due, iteration_record, return_free_memory, stop_after_interrupt
 from sampling import row_seed
 
@@ -107,6 +107,8 @@ def main(cfg: Config):
             # 3. Grade: 0/1 reward per response (0 if it hit the length limit)
             rewards = [grade(s.text, a, grader=cfg.grader, truncated=not s.finished)
                        for s, a in zip(episodes.samples, episodes.answers)]
+            episodes, rewards, resampled = resample_silent(sampler, episodes, rewards, extra=cfg.resample_silent,
+                                                           cfg=cfg, seed=row_seed(seed, 2))  # grpo-resample only
             input_ids, attention_mask, response_mask, P = pad_episodes(episodes.prompts, episodes.responses,
                                                                        pad_id=tokenizer.pad_token_id)
             batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
@@ -146,7 +148,8 @@ def main(cfg: Config):
             done = it + 1
             clock.add(time.perf_counter() - t0)
             record = iteration_record(done, episodes=episodes, rewards=rewards, advantages=advantages, lr=lr,
-                                      stats={**value_stats, **ppo_stats}, clock=clock, meter=meter)
+                                      stats={**value_stats, **ppo_stats, **(resampled if cfg.resample_silent else {})},
+                                      clock=clock, meter=meter)
             evaluating = due(done, every=cfg.eval_every, last=cfg.iterations, now=clock.out_of_time or clock.crossed)
             if evaluating:
                 meter.start()

@@ -69,3 +69,62 @@ def test_critic_advantages_lambda_one_is_return_minus_value():
     torch.testing.assert_close(ret[0], torch.ones(3))  # the value targets: the return, 1 at every token
     adv0, _ = critic_advantages(values=values, rewards=[1.0], gamma=1.0, lam=0.0)
     torch.testing.assert_close(adv0[0], torch.tensor([0.2, 0.5, 0.1]))  # one-step TD over tokens
+
+
+def test_silent_responses_marks_the_groups_with_one_outcome():
+    from advantages import silent_responses
+    assert silent_responses(rewards=[1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0], groups=[0, 0, 1, 1, 2, 2, 3]) == [
+        False, False, True, True, True, True, True]
+
+
+def test_in_group_units_divides_by_the_sd_of_what_the_groups_vines_saw():
+    """p = the mean of a group's state values; each of its advantages / (sqrt(p (1 - p)) + 1e-4); a group whose
+    vines found nothing keeps its zeros."""
+    from advantages import in_group_units
+    values = [[0.0, 0.5, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # two responses of group 0, one of group 1
+    advantages = [torch.tensor([0.5, -0.5]), torch.tensor([0.0, 0.0]), torch.tensor([0.0])]
+    out = in_group_units(advantages, values=values, groups=[0, 0, 1])
+    p = 0.5 / 4
+    assert torch.allclose(out[0], torch.tensor([0.5, -0.5]) / ((p * (1 - p)) ** 0.5 + 1e-4))
+    assert torch.equal(out[1], torch.zeros(2)) and torch.equal(out[2], torch.zeros(1))
+
+
+def vines_where_cfg(where: str):
+    from config import parse_config
+    return parse_config(["--device", "cpu", "--estimator", "vine", "--vines-where", where, "--no-whiten"])
+
+
+def test_vines_where_silent_gives_mixed_groups_grpo_and_silent_ones_their_vines(monkeypatch):
+    """values_for asks vines only for the silent groups' responses; advantages_for gives a mixed group grpo's
+    advantages and a silent group its step advantages in grpo's units (in_group_units); with `all` every response
+    gets its vines' (the paper)."""
+    from types import SimpleNamespace
+    import advantages as adv
+    asked = []
+
+    def scripted_values(*, responses, rewards, **_):
+        asked.append(list(rewards))
+        return [[0.0, 1 / 3, 0.0] if r == 0 else [1.0, 1.0, 0.0] for r in rewards], {}
+    monkeypatch.setattr(adv, "estimate_values", scripted_values)
+    monkeypatch.setattr(adv, "step_token_starts", lambda *a, **k: [0, 2])
+    rewards, groups = [1.0, 0.0, 0.0, 0.0], [0, 0, 1, 1]  # group 0 mixed, group 1 all wrong
+    samples = [SimpleNamespace(token_ids=[5] * 4, text="a\nb", logprobs=[0.0] * 4) for _ in rewards]
+    episodes = SimpleNamespace(samples=samples, prompts=[[1]] * 4, responses=[[5] * 4] * 4, answers=["1"] * 4,
+                               groups=groups)
+    batch = {"response_mask": torch.ones(4, 4)}
+    cfg = vines_where_cfg("silent")
+    values, starts, _ = adv.values_for("vine", episodes=episodes, rewards=rewards, batch=batch, P=1, micro=[],
+                                       sampler=None, scorer=None, tokenizer=None, cfg=cfg, seed=0)
+    assert asked == [[0.0, 0.0]] and values[:2] == [None, None]
+    out = adv.advantages_for("vine", values=values, starts=starts, rewards=rewards, episodes=episodes, batch=batch,
+                             cfg=cfg)
+    grpo = adv.group_baseline_advantages(rewards=rewards, groups=groups, lengths=[4] * 4, kind="grpo")
+    assert torch.equal(out[0], grpo[0]) and torch.equal(out[1], grpo[1]) and out[0][0] > 0 > out[1][0]
+    p = 1 / 6  # the mean of group 1's state values: 0 and 1/3 for each of its two responses
+    step = torch.tensor([1 / 3, 1 / 3, -1 / 3, -1 / 3]) / ((p * (1 - p)) ** 0.5 + 1e-4)  # steps of 2 tokens each
+    assert torch.allclose(out[2], step) and torch.allclose(out[3], step)
+    asked.clear()
+    values, starts, _ = adv.values_for("vine", episodes=episodes, rewards=rewards, batch=batch, P=1, micro=[],
+                                       sampler=None, scorer=None, tokenizer=None, cfg=vines_where_cfg("all"), seed=0)
+    assert asked == [rewards] and None not in values
+

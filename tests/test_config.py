@@ -51,6 +51,15 @@ def one_error_line(argv, capsys) -> str:
     (["--free-samples", "topup", "--estimator", "critic"],
      "--free-samples topup feeds vines, which --estimator critic does not sample: drop it, or use "
      "--estimator vine"),
+    # issue 61: vines where the group is silent, and its comparator
+    (["--vines-where", "silent", "--estimator", "rloo"],
+     "--vines-where silent says where to sample vines, which --estimator rloo does not sample: drop it, or use "
+     "--estimator vine"),
+    (["--resample-silent", "8"], "--resample-silent takes 0 (off) or more fresh responses, with --estimator grpo or "
+                                 "rloo on one process (got 8 with --estimator vine, 1 rank(s))"),
+    (["--resample-silent=-1", "--estimator", "grpo"], "--resample-silent takes 0 (off) or more fresh responses, with "
+                                                      "--estimator grpo or rloo on one process (got -1 with "
+                                                      "--estimator grpo, 1 rank(s))"),
 ])
 def test_each_bad_flag_is_one_line(argv, message, capsys):
     assert one_error_line(["--device", "cpu", *argv], capsys) == message

@@ -243,3 +243,41 @@ def test_evaluation_adds_greedy_pass1_only_with_eval_greedy(monkeypatch):
     assert rollout.evaluation(None, None, [], cfg, seed=0) == {"eval_accuracy": 0.5, "eval_se": 0.02,
                                                                "eval_greedy_accuracy": 0.4, "eval_greedy_se": 0.03}
     assert calls == [(0.35, 16), (0.35, 16), (0.0, 1)]
+
+
+def test_resample_silent_grows_only_the_silent_groups_and_counts_what_it_found():
+    """--resample-silent M: M fresh responses to the prompt of each group with one outcome, joined to its group
+    (same prompt, answer, group index), graded; a mixed group is left as it was; the stats count the silent groups
+    and the share the fresh responses gave contrast."""
+    from types import SimpleNamespace
+    from rollout import Episodes, resample_silent
+    asked = []
+
+    class Scripted:
+        def sample(self, prompts, *, n, temperature, top_p, max_new_tokens, seed):
+            asked.append((prompts, n))
+            return [[SimpleNamespace(text=f"####{'7' if p == [2] and i == 0 else '0'}", token_ids=[9], finished=True)
+                     for i in range(n)] for p in prompts]
+    sample = lambda text: SimpleNamespace(text=text, token_ids=[9], finished=True)  # noqa: E731
+    episodes = Episodes(prompts=[[1], [1], [2], [2], [3], [3]], samples=[sample("x")] * 6,
+                        answers=["5", "5", "7", "7", "8", "8"], groups=[0, 0, 1, 1, 2, 2])
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # group 0 mixed, 1 and 2 all wrong
+    cfg = SimpleNamespace(temperature=0.6, top_p=0.9, max_new_tokens=8, grader="chain")
+    grown, grown_rewards, stats = resample_silent(Scripted(), episodes, rewards, extra=3, cfg=cfg, seed=0)
+    assert asked == [([[2], [3]], 3)]
+    assert grown.groups == [0, 0, 1, 1, 2, 2, 1, 1, 1, 2, 2, 2] and grown.answers[6:] == ["7"] * 3 + ["8"] * 3
+    assert grown.prompts[6:] == [[2]] * 3 + [[3]] * 3
+    assert grown_rewards == rewards + [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert stats == {"resampled_groups": 2, "resample_found_frac": 0.5}
+    same = resample_silent(Scripted(), episodes, rewards, extra=0, cfg=cfg, seed=0)
+    assert same[0] is episodes and same[1] is rewards and len(asked) == 1
+
+
+def test_grown_minibatch_keeps_the_optimizer_steps():
+    """A batch grown past prompts x samples takes larger minibatches (whole micro-batches), as many steps."""
+    import math
+    from ppo import grown_minibatch
+    assert grown_minibatch(512, minibatch=64, plain=512, micro=32) == 64
+    for episodes in (513, 800, 2112, 512 + 64 * 40):
+        size = grown_minibatch(episodes, minibatch=64, plain=512, micro=32)
+        assert size % 32 == 0 and math.ceil(math.ceil(episodes / 32) / (size // 32)) <= 8 < episodes / (size - 32)

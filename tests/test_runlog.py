@@ -149,5 +149,5 @@ def test_silent_groups_counts_groups_without_contrast_and_the_credit_found_there
     rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     advantages = [torch.tensor([0.5]), torch.tensor([-0.5]), torch.zeros(3), torch.zeros(2),
                   torch.tensor([0.0, -0.3]), torch.zeros(4), torch.zeros(1)]
-    assert silent_groups(groups, rewards, advantages) == [4, 1, 2, 5, 1]
-    assert silent_groups([0, 0], [1.0, 0.0], [torch.ones(1), torch.ones(1)]) == [1, 0, 0, 0, 0]
+    assert silent_groups(groups, rewards, advantages) == [4, 1, 2, 5, 1, 1]
+    assert silent_groups([0, 0], [1.0, 0.0], [torch.ones(1), torch.ones(1)]) == [1, 0, 0, 0, 0, 0]

@@ -165,6 +165,8 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
                         ("free", ["--estimator", "vine", "--k", "2", "--free-samples", "topup"]),
                         ("entropy", ["--estimator", "vine", "--k", "2", "--step-split", "entropy:0.2"]),
                         ("critic", ["--estimator", "critic"]), ("grpo", ["--estimator", "grpo"]),
+                        ("silent", ["--estimator", "vine", "--k", "2", "--vines-where", "silent"]),
+                        ("resample", ["--estimator", "grpo", "--resample-silent", "2"]),
                         ("rloo", ["--estimator", "rloo"])):
         out = tmp_path / name
         cmd = [sys.executable, "train.py", *task, "--model", str(sft), *flags, "--iterations", "2",
@@ -180,6 +182,9 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
         if name == "free":  # the prompt state alone is passed through by both responses: one free sample there
             assert records[1]["free_per_state"] >= 1 / records[1]["value_states"] and records[1]["vines"] < 2 * \
                 records[1]["value_states"]
+        if name == "resample":  # silent groups grew by 2 fresh responses each; the update kept its one step
+            assert records[1]["sampled_tokens"] >= records[1]["response_length"] * 4
+            assert 0 <= records[1]["resampled_groups"] <= 2 and records[1]["optimizer_steps"] == 1
         assert json.loads((out / "start.json").read_text())["model_sha256"] == json.loads(
             (tmp_path / "vine" / "start.json").read_text())["model_sha256"]  # every run records the same start
         assert (out / "latest").exists()
