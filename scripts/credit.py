@@ -25,7 +25,8 @@ from scripts.free_samples import ARMS as FREE_ARMS
 from scripts.free_samples import sample_groups, token_curve, true_values
 from scripts.plot import area, eval_curve, mean_se, pm, read_metrics
 from scripts.replicate import ESTIMATORS, sft_stage, this_machine
-from scripts.testbed import SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest, summary
+from scripts.testbed import (SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest, summary,
+                             truth_arguments, truth_choices)
 
 OUT = "runs/credit"  # the default output, ignored by git (the committed grid: --out results/credit)
 SETTINGS = {"chain-L2": (2, 0), "chain-L4": (4, 0), "chain-L6": (6, 0), "chain-L8": (8, 0),
@@ -304,14 +305,11 @@ def main():
     parser.add_argument("--sft-only", action="store_true", help="make the settings' SFT models, nothing else")
     parser.add_argument("--diagnose", action="store_true", help="run nothing else: diagnose (value error, sign "
                         "accuracy, shared states) on each setting's SFT policy into OUT/<setting>/diagnose.json")
-    parser.add_argument("--prompts", type=int, default=24, help="--diagnose: train problems, 8 responses each")
-    parser.add_argument("--truth", type=int, default=256, help="--diagnose: vines per state for the true value")
+    truth_arguments(parser, mode="diagnose")  # --prompts, --truth
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     arms, seeds = grid_choices(args, arm="arm", arms=ARMS)
     settings = args.settings.split(",")
-    for name in ("prompts", "truth"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name} must be at least 1 (got {getattr(args, name)})")
+    truth_choices(args)
     if unknown := [s for s in settings if s not in SETTINGS]:
         raise SystemExit(f"error: --settings: unknown {unknown} (choose from {list(SETTINGS)})")
     out, started = Path(args.out), time.time()

@@ -22,9 +22,10 @@ from pathlib import Path
 
 from scripts.plot import area, mean_se
 from scripts.replicate import sft_stage
-from scripts.testbed import OUT as TESTBED
 from scripts.testbed import ARMS as TESTBED_ARMS
-from scripts.testbed import SFT_SETTINGS, arm_grid, grid_arguments, grid_choices, paired_cells
+from scripts.testbed import OUT as TESTBED
+from scripts.testbed import (SFT_SETTINGS, arm_grid, grid_arguments, grid_choices, paired_cells, truth_arguments,
+                             truth_choices)
 
 OUT = "runs/free-samples"  # the default output, ignored by git (the committed grid: --out results/free-samples)
 ARMS = {"vine": ["--estimator", "vine"], "vine-free": TESTBED_ARMS["vine-free"],
@@ -156,13 +157,10 @@ def main():
                         "(made there if missing)")
     parser.add_argument("--values", action="store_true", help="run nothing else: Fig. 3 for the free-sample "
                         "variants on the SFT model (--prompts groups of 8, --truth vines per state)")
-    parser.add_argument("--prompts", type=int, default=24, help="--values: train problems, 8 responses each")
-    parser.add_argument("--truth", type=int, default=256, help="--values: vines per state for the true value")
+    truth_arguments(parser, mode="values")  # --prompts, --truth
     args, extra = parser.parse_known_args()  # anything else goes to train.py
     arms, seeds = grid_choices(args, arm="arm", arms=ARMS)
-    for name in ("prompts", "truth"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name} must be at least 1 (got {getattr(args, name)})")
+    truth_choices(args)
     if args.values:
         text = value_errors(sft_stage(Path(args.testbed), settings=SFT_SETTINGS)[0], prompts=args.prompts,
                             truth=args.truth, seed=seeds[0])

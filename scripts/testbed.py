@@ -306,6 +306,20 @@ def grid_arguments(parser: argparse.ArgumentParser, *, arm: str, arms: dict[str,
     parser.add_argument("--redraw", action="store_true", help="run nothing: summarize the finished runs")
 
 
+def truth_arguments(parser: argparse.ArgumentParser, *, mode: str):
+    """The flags of a value diagnosis against a many-vine truth (scripts.credit --diagnose, scripts.free_samples
+    --values): --prompts (groups of 8 responses) and --truth (vines per state); check them with truth_choices."""
+    parser.add_argument("--prompts", type=int, default=24, help=f"--{mode}: train problems, 8 responses each")
+    parser.add_argument("--truth", type=int, default=256, help=f"--{mode}: vines per state for the true value")
+
+
+def truth_choices(args):
+    """truth_arguments' values, each at least 1, or a one-line error."""
+    for name in ("prompts", "truth"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name} must be at least 1 (got {getattr(args, name)})")
+
+
 def grid_choices(args, *, arm: str, arms: dict[str, list[str]]) -> tuple[list[str], list[int]]:
     """The arms and seeds grid_arguments' flags chose; a bad value is a one-line error."""
     chosen = getattr(args, f"{arm}s").split(",")
