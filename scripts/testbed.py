@@ -1,7 +1,7 @@
 """The laptop testbed: a tiny model trained from scratch on the compact chain task, then RL with every estimator at
 the paper's batch size, through the same train.py as the real runs.
 
-    python -m scripts.testbed                        SFT, then one seed of each of DEFAULT's arms (~20 min, 2 cores)
+    python -m scripts.testbed                        SFT, then one seed of each of DEFAULT's arms (18 min, 2 cores)
     python -m scripts.testbed --seeds 0,1,2,3,4      the grid (restartable: finished runs are skipped)
     python -m scripts.testbed --redraw               only the summary and the pictures from the finished runs
     python -m scripts.testbed --out results/testbed  the committed reference grid (default runs/testbed: outside git)
