@@ -20,7 +20,8 @@ REWARDS = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
 
 def cfg(**kw):
     return SimpleNamespace(temperature=1.0, top_p=1.0, gamma=1.0, lam=1.0, whiten=True, epochs=2, minibatch_size=4,
-                           clip=0.2, kl_coef=0.1, max_grad_norm=1.0, vf_coef=0.1, value_clip=0.2, tis_cap=0.0, **kw)
+                           clip=0.2, kl_coef=0.1, max_grad_norm=1.0, vf_coef=0.1, value_clip=0.2, tis_cap=0.0,
+                           prompts_per_iter=4, samples_per_prompt=2, micro_batch_size=2, **kw)  # 8 episodes
 
 
 def fixed_batch():
