@@ -157,17 +157,24 @@ def lift(out: Path, *, seeds: list[int], jobs: int, redraw: bool) -> str:
     return "\n".join(lines)
 
 
-def adopt_lift_runs(task_dir: Path, *, seeds: list[int]) -> list[str]:
-    """Copy into task_dir the lift test's finished runs whose command a grid arm repeats (ADOPTED: the same train.py
-    flags and start), for the seeds asked whose grid folder is still empty; returns the names copied."""
-    copied, start = [], sft_digest(task_dir / "sft")
-    for arm, lift_arm in ADOPTED.items():
+def adopt_runs(source: Path, target: Path, *, names: dict[str, str], seeds: list[int], start: str) -> list[str]:
+    """Copy into target the finished runs of source made from `start` (the SFT sha256) whose command a target arm
+    repeats (names: target arm -> source arm), for the seeds asked whose target folder is still empty; returns the
+    names copied."""
+    copied = []
+    for arm, source_arm in names.items():
         for seed in seeds:
-            source, target = task_dir / "lift" / f"{lift_arm}-s{seed}", task_dir / f"{arm}-s{seed}"
-            if run_state(source, start=start) == "done" and not target.exists():
-                shutil.copytree(source, target)
-                copied.append(target.name)
+            run, copy = source / f"{source_arm}-s{seed}", target / f"{arm}-s{seed}"
+            if run_state(run, start=start) == "done" and not copy.exists():
+                shutil.copytree(run, copy)
+                copied.append(copy.name)
     return copied
+
+
+def adopt_lift_runs(task_dir: Path, *, seeds: list[int]) -> list[str]:
+    """The lift test's finished runs whose command a grid arm repeats (ADOPTED: the same train.py flags and start),
+    copied into the grid's task folder (adopt_runs)."""
+    return adopt_runs(task_dir / "lift", task_dir, names=ADOPTED, seeds=seeds, start=sft_digest(task_dir / "sft"))
 
 
 def final_eval(run_dir: Path) -> dict:

@@ -51,9 +51,9 @@ def gap_cell(values: list[float]) -> str:
     return f"{pm(mean, se, len(values), signed=True)} ({len(values)}){' *' if len(values) > 1 and abs(mean) > 2 * se else ''}"
 
 
-def task_summary(task_dir: Path, *, arms: dict[str, list[str]]) -> dict:
-    """One task's numbers: the plateau, per arm the final evaluations by seed and the silent-group shares, and per
-    pair and axis the paired gaps by seed."""
+def task_summary(task_dir: Path, *, arms: dict[str, list[str]], pairs: list[tuple[str, str]] = PAIRS) -> dict:
+    """One task's numbers: the plateau, per arm the final evaluations by seed and the silent-group shares (for
+    --resample-silent before its fresh responses), and per pair (arm, base) and axis the paired gaps by seed."""
     runs, _ = done_runs(task_dir, arms=arms, start=sft_digest(task_dir / "sft"))
     finals = {arm: {seed: json.loads(p.read_text()) for seed in by_seed
                     if (p := task_dir / f"{arm}-s{seed}" / "final.json").exists()} for arm, by_seed in runs.items()}
@@ -64,18 +64,25 @@ def task_summary(task_dir: Path, *, arms: dict[str, list[str]]) -> dict:
                         "final_greedy": finals[arm][s][GREEDY][0] if s in finals[arm] else None,
                         "mean_greedy": sum(a for _, a in axis_curve(by_seed[s], "iteration")[1:]) /
                         len(axis_curve(by_seed[s], "iteration")[1:]),
-                        "silent": sum(r["silent_frac"] for r in t) / len(t),
-                        "silent_first": t[0]["silent_frac"],
+                        "silent": sum(silent_share(r) for r in t) / len(t),
+                        "silent_first": silent_share(t[0]),
+                        "silent_found": sum(r.get("resample_found_frac", r.get("silent_found_frac", 0.0))
+                                            for r in t) / len(t),
                         "silent_credited": sum(r.get("silent_credited_frac", 0.0) for r in t) / len(t),
                         "tokens": sum(r["sampled_tokens"] for r in t) / len(t) / 1e6,
                         "seconds": t[-1]["train_seconds"] / len(t)} for s, t in trained.items()}
         out["arms"][arm] = per_seed
-    for arm, base in PAIRS:
+    for arm, base in pairs:
         if arm in runs and base in runs:
             seeds = sorted(set(runs[arm]) & set(runs[base]))
             out["gaps"][f"{arm} − {base}"] = {axis: {s: pair_gap(runs[arm][s], runs[base][s], axis=axis) for s in seeds}
                                               for axis in AXES}
     return out
+
+
+def silent_share(record: dict) -> float:
+    """An iteration's share of groups without contrast as sampled: before --resample-silent's fresh responses."""
+    return record.get("silent_before_frac", record["silent_frac"])
 
 
 def over_seeds(per_seed: dict, key: str) -> tuple[float, float, int]:
@@ -117,13 +124,16 @@ def markdown(summaries: dict[str, dict]) -> str:
                 cells.append(f"{mh - me:+.3f} ± {math.hypot(se_e, se_h):.3f}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Per iteration (mean over iterations 1-30, then over seeds): groups without contrast (all right or all "
-              "wrong), at iteration 1, and the share of their responses vine's step advantages credited; the cost.", "",
-              "| task | arm | silent groups | at iteration 1 | silent responses credited | M tokens / iteration | "
-              "train s / iteration (no eval) |", "| --- " * 7 + "|"]
+              "wrong) as sampled, at iteration 1, the share of them given contrast (a response with a nonzero "
+              "advantage: vines, a critic, or with --resample-silent the fresh responses) and of their responses "
+              "credited; the cost.", "",
+              "| task | arm | silent groups | at iteration 1 | silent groups given contrast | silent responses credited | "
+              "M tokens / iteration | train s / iteration (no eval) |", "| --- " * 8 + "|"]
     for task, s in summaries.items():
         for arm, per_seed in s["arms"].items():
             cells = [f"{over_seeds(per_seed, k)[0]:.{d}f}" for k, d in
-                     (("silent", 2), ("silent_first", 2), ("silent_credited", 2), ("tokens", 3), ("seconds", 1))]
+                     (("silent", 2), ("silent_first", 2), ("silent_found", 2), ("silent_credited", 2), ("tokens", 3),
+                      ("seconds", 1))]
             lines.append(f"| {task} | {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -153,11 +163,12 @@ def plot_curves(task_dirs: dict[str, Path], *, arms: dict[str, dict[str, list[st
     plt.close(fig)
 
 
-def report(out: Path, *, arms: dict[str, dict[str, list[str]]], settings: list[str]) -> str:
+def report(out: Path, *, arms: dict[str, dict[str, list[str]]], settings: list[str],
+           pairs: list[tuple[str, str]] = PAIRS) -> str:
     """out/results.md, results.json and curves.png over the finished runs of each task's folder (arms: task -> its
-    arms' train.py flags); returns results.md's text."""
+    arms' train.py flags; pairs: the gaps (arm, base) to draw); returns results.md's text."""
     task_dirs = {task: out / task for task in arms}
-    summaries = {task: task_summary(d, arms=arms[task]) for task, d in task_dirs.items()}
+    summaries = {task: task_summary(d, arms=arms[task], pairs=pairs) for task, d in task_dirs.items()}
     text = (f"RL settings: `{' '.join(settings)}`; arms per task: "
             + "; ".join(f"{task}: " + ", ".join(f"{name} `{' '.join(flags)}`" for name, flags in by_arm.items())
                         for task, by_arm in arms.items()) + ".\n\n" + markdown(summaries) + "\n")

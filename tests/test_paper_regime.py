@@ -104,7 +104,8 @@ def fake_run(folder, *, evals, tokens=20000, seconds=8.0, silent=0.5, final=None
     for i in range(31):
         r = {"iteration": i}
         if i:
-            r.update(sampled_tokens=tokens, train_seconds=seconds * i, silent_frac=silent, silent_credited_frac=0.1)
+            r.update(sampled_tokens=tokens, train_seconds=seconds * i, silent_frac=silent, silent_credited_frac=0.1,
+                     silent_found_frac=0.2)
         if i % 3 == 0:
             r.update(eval_accuracy=evals[i // 3], train_seconds=seconds * i)
         records.append(r)
@@ -146,7 +147,7 @@ def test_report_reads_the_paper_table_gaps_and_growth(tmp_path):
     assert "| 0.610 ± 0.006 * (greedy 0.610) | 0.510 ± 0.006 (greedy 0.510) |" in easy
     assert "| easy | vine − grpo | +0.100 ± 0.000 (3) * |" in text and "| hard | vine − grpo | +0.200 ± 0.000 (3) * |" in text
     assert "| vine − grpo | +0.100 ± 0.000 |" in text  # hard − easy per iteration
-    assert "| hard | vine | 0.50 | 0.50 | 0.10 | 0.080 | 16.0 |" in text
+    assert "| hard | vine | 0.50 | 0.50 | 0.20 | 0.10 | 0.080 | 16.0 |" in text
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["tasks"]["hard"]["sft_sha256"] == DIGEST and (tmp_path / "curves.png").stat().st_size > 0
 

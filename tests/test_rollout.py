@@ -268,7 +268,7 @@ def test_resample_silent_grows_only_the_silent_groups_and_counts_what_it_found()
     assert grown.groups == [0, 0, 1, 1, 2, 2, 1, 1, 1, 2, 2, 2] and grown.answers[6:] == ["7"] * 3 + ["8"] * 3
     assert grown.prompts[6:] == [[2]] * 3 + [[3]] * 3
     assert grown_rewards == rewards + [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert stats == {"resampled_groups": 2, "resample_found_frac": 0.5}
+    assert stats == {"resampled_groups": 2, "silent_before_frac": pytest.approx(2 / 3), "resample_found_frac": 0.5}
     same = resample_silent(Scripted(), episodes, rewards, extra=0, cfg=cfg, seed=0)
     assert same[0] is episodes and same[1] is rewards and len(asked) == 1
 

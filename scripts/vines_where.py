@@ -1,0 +1,120 @@
+"""Vines where the group is silent (issue 61), from the paper-regime grid's starts: do vines spent only in groups
+without contrast beat the same samples spent as fresh responses?
+
+    python -m scripts.vines_where --arms vine-silent --seeds 0   first: vine-silent's seed 0 on both tasks
+    python -m scripts.vines_where --measure                       then: M per task from those runs (RESAMPLE)
+    python -m scripts.vines_where --seeds 0,1,2,3,4               the grid (restartable; --task hard: one task)
+    python -m scripts.vines_where --redraw                        results.md, results.json, curves.png
+
+Arms, from each paper-regime task's SFT model (scripts.paper_regime, run first; its folder: --regime) with the same
+recipe (scripts/testbed.py SETTINGS at lr 5e-5):
+    vine-silent    --vines-where silent: grpo's advantages in groups with contrast, VinePPO's (K = 9) in the others
+    grpo-resample  --resample-silent M: grpo, and M fresh responses more to each silent group's prompt; M per task
+                   (RESAMPLE) gives it vine-silent's sampled tokens an iteration, measured on vine-silent's seed 0
+    vine, grpo     the paper-regime grid's runs of the same seeds, copied (the same start, checked by sha256)
+The read-out (scripts/regime_report.py, PAIRS below) pairs them by seed on three axes: per iteration, per sampled
+token, per training wall-clock; and logs the silent groups, the share the vines found contrast in, the same for the
+fresh responses. The design: docs/vines-where.md.
+"""
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from scripts.paper_regime import ARMS as REGIME_ARMS, PROMPTS, TASKS, adopt_runs, final_eval
+from scripts.regime_report import report
+from scripts.replicate import this_machine
+from scripts.plot import read_metrics
+from scripts.testbed import SETTINGS, run_grid, run_state, sft_digest
+
+OUT, REGIME = "runs/vines-where", "runs/paper-regime"  # defaults, outside git (committed: results/...)
+# grpo-resample's fresh responses per silent group: resample_count on vine-silent's seed 0 of each task (--measure)
+RESAMPLE: dict[str, int] = {}
+ARMS = {"vine-silent": ["--estimator", "vine", "--vines-where", "silent"],
+        "grpo-resample": None}  # grpo, M fresh responses more to each silent group: resample_flags(RESAMPLE[task])
+BASE = ("vine", "grpo")  # the paper-regime grid's arms, copied seed by seed
+PAIRS = [("vine-silent", "grpo-resample"), ("vine-silent", "grpo"), ("vine-silent", "vine"),
+         ("grpo-resample", "grpo")]
+
+
+def resample_count(records: list[dict]) -> int:
+    """M: fresh responses per silent group that spend a vine-silent run's vine tokens, over its iterations:
+    sum of vine tokens / sum of (silent groups x mean response length), rounded (at least 1)."""
+    trained = [r for r in records if r.get("iteration", 0) > 0 and "silent_frac" in r]
+    fresh = sum(r["silent_frac"] * PROMPTS * r["response_length"] for r in trained)
+    if not trained or fresh == 0:
+        raise SystemExit("error: no silent group in those runs' metrics: M cannot be measured")
+    return max(1, round(sum(r.get("vine_tokens", 0) for r in trained) / fresh))
+
+
+def resample_flags(extra: int) -> list[str]:
+    return ["--estimator", "grpo", "--resample-silent", str(extra)]
+
+
+def grid_arms(task: str, arms: list[str]) -> dict[str, list[str]]:
+    """The chosen arms' train.py flags on one task; grpo-resample only once its M is measured (RESAMPLE)."""
+    if "grpo-resample" in arms and task not in RESAMPLE:
+        raise SystemExit(f"error: grpo-resample on {task}: M is not measured yet (RESAMPLE); run `--arms vine-silent "
+                         f"--seeds 0`, then `--measure`")
+    return {a: ARMS[a] or resample_flags(RESAMPLE[task]) for a in arms}
+
+
+def task_folder(out: Path, regime: Path, task: str, *, seeds: list[int]) -> Path:
+    """out/<task>, bound to the paper-regime task's start: its sft/model.sha256 and plateau.json copied, and its
+    finished vine and grpo runs of these seeds (adopt_runs). Returns the paper-regime SFT folder (the model)."""
+    sft = regime / task / "sft"
+    if not (start := sft_digest(sft)) or not (sft / "plateau.json").exists():
+        raise SystemExit(f"error: {sft}: no SFT model with its plateau; run `python -m scripts.paper_regime --task "
+                         f"{task}` first, or pass --regime")
+    (out / task / "sft").mkdir(parents=True, exist_ok=True)
+    for name in ("model.sha256", "plateau.json"):
+        shutil.copy(sft / name, out / task / "sft" / name)
+    adopt_runs(regime / task, out / task, names={a: a for a in BASE}, seeds=seeds, start=start)
+    return sft
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default=",".join(TASKS), help=f"comma-separated, of {list(TASKS)}")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds, paired with the regime grid's")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument("--measure", action="store_true", help="run nothing: M per task from vine-silent-s0")
+    parser.add_argument("--redraw", action="store_true", help="run nothing, summarize the finished runs")
+    parser.add_argument("--regime", default=REGIME, help=f"the paper-regime grid's folder (default {REGIME})")
+    parser.add_argument("--out", default=OUT, help=f"results folder (default {OUT}, outside git)")
+    args = parser.parse_args()
+    tasks, arms = args.task.split(","), args.arms.split(",")
+    if not all(x.strip().isdigit() for x in args.seeds.split(",")) or args.jobs < 1:
+        parser.error(f"--seeds takes comma-separated non-negative integers and --jobs at least 1 (got {args.seeds!r}, "
+                     f"{args.jobs})")
+    if bad := [t for t in tasks if t not in TASKS] + [a for a in arms if a not in ARMS]:
+        parser.error(f"--task / --arms: unknown {bad} (tasks {list(TASKS)}, arms {list(ARMS)})")
+    out, regime, seeds = Path(args.out), Path(args.regime), [int(x) for x in args.seeds.split(",")]
+    if args.measure:
+        for task in tasks:
+            run = out / task / "vine-silent-s0"
+            if not (run / "metrics.jsonl").exists():
+                raise SystemExit(f"error: {run}: no metrics; run `--arms vine-silent --seeds 0` first")
+            print(f"{task}: M = {resample_count(read_metrics(run / 'metrics.jsonl'))}")
+        return
+    if not args.redraw:
+        torch.set_num_threads(1)  # the final evaluations run here beside the other job
+        flags = {out / task: grid_arms(task, arms) for task in tasks}  # first: an unmeasured M writes nothing
+        sft_dirs = {out / task: task_folder(out, regime, task, seeds=seeds) for task in tasks}
+        cells = [(folder, arm, seed) for seed in seeds for folder in sft_dirs for arm in arms]
+        for folder, arm, seed in cells:  # finished by an earlier invocation, perhaps cut before its final evaluation
+            if run_state(folder / f"{arm}-s{seed}", start=sft_digest(sft_dirs[folder])) == "done":
+                final_eval(folder / f"{arm}-s{seed}")
+        run_grid(cells, sft_dirs=sft_dirs, extras={folder: [] for folder in sft_dirs}, jobs=args.jobs,
+                 machine=this_machine(), folder_arms=flags,
+                 on_done=final_eval)
+    tasks = [t for t in TASKS if (out / t / "sft" / "plateau.json").exists()]
+    chosen = {t: {**{a: REGIME_ARMS[a] for a in BASE}, **grid_arms(t, [a for a in ARMS if ARMS[a] or t in RESAMPLE])}
+              for t in tasks}
+    print(report(out, settings=SETTINGS, arms=chosen, pairs=PAIRS))
+
+
+if __name__ == "__main__":
+    main()
