@@ -336,7 +336,8 @@ def resample_silent(sampler, episodes: Episodes, rewards: list[float], *, extra:
         outcomes.setdefault(g, set()).add(r)
     silent = [g for g in first if len(outcomes[g]) == 1]
     if not silent or extra == 0:
-        return episodes, rewards, {"resampled_groups": 0, "silent_before_frac": 0.0, "resample_found_frac": 0.0}
+        return episodes, rewards, {"resampled_groups": 0, "silent_before_frac": len(silent) / max(len(first), 1),
+                                   "resample_found_frac": 0.0}
     prompts = [episodes.prompts[first[g]] for g in silent]
     fresh = sampler.sample(prompts, n=extra, temperature=cfg.temperature, top_p=cfg.top_p,
                            max_new_tokens=cfg.max_new_tokens, seed=seed)

@@ -198,12 +198,33 @@ def grid(out: Path, *, tasks: list[str], arms: list[str], seeds: list[int], jobs
     for folder in folders:
         adopt_lift_runs(folder, seeds=seeds)
     cells = [(folder, arm, seed) for seed in seeds for folder in folders for arm in arms]
-    for folder, arm, seed in cells:  # those adopted or finished by an earlier invocation
-        if run_state(folder / f"{arm}-s{seed}", start=sft_digest(folder / "sft")) == "done":
-            final_eval(folder / f"{arm}-s{seed}")
-    run_grid(cells, sft_dirs=folders, extras={folder: [] for folder in folders}, jobs=jobs, machine=this_machine(),
-             folder_arms={folder: grid_arms(folder.name) for folder in folders}, on_done=final_eval)
+    run_evaluated(cells, sft_dirs=folders, folder_arms={folder: grid_arms(folder.name) for folder in folders},
+                  jobs=jobs)
     return [folder / f"{arm}-s{seed}" for folder, arm, seed in cells]
+
+
+def run_evaluated(cells: list[tuple[Path, str, int]], *, sft_dirs: dict[Path, Path],
+                  folder_arms: dict[Path, dict[str, list[str]]], jobs: int):
+    """run_grid's cells (folder, arm, seed), each from its folder's SFT model (sft_dirs) with its folder's arms, and
+    every finished run's last policy evaluated (final_eval): those done by an earlier invocation (or copied) first,
+    the others as they end."""
+    for folder, arm, seed in cells:
+        if run_state(folder / f"{arm}-s{seed}", start=sft_digest(sft_dirs[folder])) == "done":
+            final_eval(folder / f"{arm}-s{seed}")
+    run_grid(cells, sft_dirs=sft_dirs, extras={folder: [] for folder in sft_dirs}, jobs=jobs, machine=this_machine(),
+             folder_arms=folder_arms, on_done=final_eval)
+
+
+def grid_choices(parser: argparse.ArgumentParser, *, task: str, arms: str, seeds: str, jobs: int,
+                 known_arms: dict) -> tuple[list[str], list[str], list[int]]:
+    """--task, --arms and --seeds as lists, or one line naming the bad value (and --jobs below 1)."""
+    tasks, chosen = task.split(","), arms.split(",")
+    if not all(x.strip().isdigit() for x in seeds.split(",")) or jobs < 1:
+        parser.error(f"--seeds takes comma-separated non-negative integers and --jobs at least 1 (got {seeds!r}, "
+                     f"{jobs})")
+    if bad := [t for t in tasks if t not in TASKS] + [a for a in chosen if a not in known_arms]:
+        parser.error(f"--task / --arms: unknown {bad} (tasks {list(TASKS)}, arms {list(known_arms)})")
+    return tasks, chosen, [int(x) for x in seeds.split(",")]
 
 
 def main():
@@ -217,13 +238,8 @@ def main():
     parser.add_argument("--redraw", action="store_true", help="run nothing, summarize the finished runs")
     parser.add_argument("--out", default=OUT, help=f"results folder (default {OUT}, outside git)")
     args = parser.parse_args()
-    seeds = args.seeds or ("0,1,2" if args.lift else "0,1,2,3,4")
-    tasks, arms = args.task.split(","), args.arms.split(",")
-    if not all(x.strip().isdigit() for x in seeds.split(",")) or args.jobs < 1:
-        parser.error(f"--seeds takes comma-separated non-negative integers and --jobs at least 1 (got {seeds!r}, "
-                     f"{args.jobs})")
-    if bad := [t for t in tasks if t not in TASKS] + [a for a in arms if a not in ARMS]:
-        parser.error(f"--task / --arms: unknown {bad} (tasks {list(TASKS)}, arms {list(ARMS)})")
+    tasks, arms, seeds = grid_choices(parser, task=args.task, arms=args.arms, jobs=args.jobs, known_arms=ARMS,
+                                      seeds=args.seeds or ("0,1,2" if args.lift else "0,1,2,3,4"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate:
@@ -232,12 +248,12 @@ def main():
         (out / "calibration.md").write_text(text)
         return print(text)
     if args.lift:
-        text = lift(out, seeds=[int(x) for x in seeds.split(",")], jobs=args.jobs, redraw=args.redraw)
+        text = lift(out, seeds=seeds, jobs=args.jobs, redraw=args.redraw)
         (out / "lift.md").write_text(text + "\n")
         return print(text)
     if not args.redraw:
         torch.set_num_threads(1)  # the final evaluations run here beside the other job
-        grid(out, tasks=tasks, arms=arms, seeds=[int(x) for x in seeds.split(",")], jobs=args.jobs)
+        grid(out, tasks=tasks, arms=arms, seeds=seeds, jobs=args.jobs)
     tasks = [t for t in TASKS if (out / t / "sft" / "plateau.json").exists()]
     print(report(out, settings=SETTINGS, arms={t: {a: f for a, f in grid_arms(t).items() if a in arms} for t in tasks}))
 

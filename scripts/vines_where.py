@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-from scripts.paper_regime import ARMS as REGIME_ARMS, PROMPTS, TASKS, adopt_runs, final_eval
-from scripts.regime_report import report
-from scripts.replicate import this_machine
+from scripts.paper_regime import ARMS as REGIME_ARMS, PROMPTS, TASKS, adopt_runs, grid_choices, run_evaluated
 from scripts.plot import read_metrics
-from scripts.testbed import SETTINGS, run_grid, run_state, sft_digest
+from scripts.regime_report import report
+from scripts.testbed import SETTINGS, sft_digest
 
 OUT, REGIME = "runs/vines-where", "runs/paper-regime"  # defaults, outside git (committed: results/...)
 # grpo-resample's fresh responses per silent group: resample_count on vine-silent's seed 0 of each task (--measure)
@@ -85,13 +84,9 @@ def main():
     parser.add_argument("--regime", default=REGIME, help=f"the paper-regime grid's folder (default {REGIME})")
     parser.add_argument("--out", default=OUT, help=f"results folder (default {OUT}, outside git)")
     args = parser.parse_args()
-    tasks, arms = args.task.split(","), args.arms.split(",")
-    if not all(x.strip().isdigit() for x in args.seeds.split(",")) or args.jobs < 1:
-        parser.error(f"--seeds takes comma-separated non-negative integers and --jobs at least 1 (got {args.seeds!r}, "
-                     f"{args.jobs})")
-    if bad := [t for t in tasks if t not in TASKS] + [a for a in arms if a not in ARMS]:
-        parser.error(f"--task / --arms: unknown {bad} (tasks {list(TASKS)}, arms {list(ARMS)})")
-    out, regime, seeds = Path(args.out), Path(args.regime), [int(x) for x in args.seeds.split(",")]
+    tasks, arms, seeds = grid_choices(parser, task=args.task, arms=args.arms, seeds=args.seeds, jobs=args.jobs,
+                                      known_arms=ARMS)
+    out, regime = Path(args.out), Path(args.regime)
     if args.measure:
         for task in tasks:
             run = out / task / "vine-silent-s0"
@@ -103,13 +98,8 @@ def main():
         torch.set_num_threads(1)  # the final evaluations run here beside the other job
         flags = {out / task: grid_arms(task, arms) for task in tasks}  # first: an unmeasured M writes nothing
         sft_dirs = {out / task: task_folder(out, regime, task, seeds=seeds) for task in tasks}
-        cells = [(folder, arm, seed) for seed in seeds for folder in sft_dirs for arm in arms]
-        for folder, arm, seed in cells:  # finished by an earlier invocation, perhaps cut before its final evaluation
-            if run_state(folder / f"{arm}-s{seed}", start=sft_digest(sft_dirs[folder])) == "done":
-                final_eval(folder / f"{arm}-s{seed}")
-        run_grid(cells, sft_dirs=sft_dirs, extras={folder: [] for folder in sft_dirs}, jobs=args.jobs,
-                 machine=this_machine(), folder_arms=flags,
-                 on_done=final_eval)
+        run_evaluated([(folder, arm, seed) for seed in seeds for folder in sft_dirs for arm in arms],
+                      sft_dirs=sft_dirs, folder_arms=flags, jobs=args.jobs)
     tasks = [t for t in TASKS if (out / t / "sft" / "plateau.json").exists()]
     chosen = {t: {**{a: REGIME_ARMS[a] for a in BASE}, **grid_arms(t, [a for a in ARMS if ARMS[a] or t in RESAMPLE])}
               for t in tasks}

@@ -271,6 +271,7 @@ def test_resample_silent_grows_only_the_silent_groups_and_counts_what_it_found()
     assert stats == {"resampled_groups": 2, "silent_before_frac": pytest.approx(2 / 3), "resample_found_frac": 0.5}
     same = resample_silent(Scripted(), episodes, rewards, extra=0, cfg=cfg, seed=0)
     assert same[0] is episodes and same[1] is rewards and len(asked) == 1
+    assert same[2] == {"resampled_groups": 0, "silent_before_frac": pytest.approx(2 / 3), "resample_found_frac": 0.0}
 
 
 def test_grown_minibatch_keeps_the_optimizer_steps():
