@@ -28,6 +28,7 @@ def test_resample_count_spends_the_vine_tokens_on_fresh_responses():
 def test_the_arms_parse_with_the_grids_settings(monkeypatch):
     """vine-silent is vine with --vines-where silent; grpo-resample is grpo with M fresh responses per silent group,
     refused (one line, nothing written) until M is measured for that task."""
+    monkeypatch.delitem(vines_where.RESAMPLE, "hard", raising=False)  # as before its measurement
     with pytest.raises(SystemExit, match="grpo-resample on hard: M is not measured"):
         vines_where.grid_arms("hard", ["vine-silent", "grpo-resample"])
     monkeypatch.setitem(vines_where.RESAMPLE, "hard", 12)
