@@ -30,8 +30,8 @@ from scripts.testbed import SETTINGS, sft_digest
 OUT, REGIME = "runs/vines-where", "runs/paper-regime"  # defaults, outside git (committed: results/...)
 # grpo-resample's fresh responses per silent group: resample_count on vine-silent's seed 0 of each task (--measure),
 # from the starts rebuilt 2026-12-07 (docs/vines-where.md): hard 41.7k vine tokens an iteration over 0.633 x 64 silent
-# groups x 38.1 tokens a response -> 27
-RESAMPLE: dict[str, int] = {"hard": 27}
+# groups x 38.1 tokens a response -> 27; easy 48.5k over 0.803 x 64 x 37.9 -> 25
+RESAMPLE: dict[str, int] = {"hard": 27, "easy": 25}
 ARMS = {"vine-silent": ["--estimator", "vine", "--vines-where", "silent"],
         "grpo-resample": None}  # grpo, M fresh responses more to each silent group: resample_flags(RESAMPLE[task])
 BASE = ("vine", "grpo")  # the paper-regime grid's arms, copied seed by seed
