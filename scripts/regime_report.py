@@ -93,15 +93,18 @@ def over_seeds(per_seed: dict, key: str) -> tuple[float, float, int]:
 
 def markdown(summaries: dict[str, dict]) -> str:
     """results.md's tables from task_summary's numbers (summaries: task -> numbers)."""
+    arms = list(dict.fromkeys(arm for s in summaries.values() for arm in s["arms"]))  # every task's, in order
     lines = ["The paper's table at laptop scale: test pass@1 from 16 samples per problem at T 0.35 (the paper's "
              "evaluation) of each run's last policy, mean ± SE over seeds; the SFT plateau ± SE over the 500 problems; "
              "'*': above the plateau by more than 2 SE over seeds. Greedy beside it.\n",
-             "| task | SFT plateau | " + " | ".join(next(iter(summaries.values()))["arms"]) + " |",
-             "| --- " * (2 + len(next(iter(summaries.values()))["arms"])) + "|"]
+             "| task | SFT plateau | " + " | ".join(arms) + " |", "| --- " * (2 + len(arms)) + "|"]
     for task, s in summaries.items():
         plateau = s["plateau"][PAPER_EVAL]
         cells = []
-        for per_seed in s["arms"].values():
+        for per_seed in (s["arms"].get(arm) for arm in arms):
+            if not per_seed:  # an arm with no finished run on this task
+                cells.append("–")
+                continue
             mean, se, n = over_seeds(per_seed, "final_paper")
             greedy = over_seeds(per_seed, "final_greedy")
             star = " *" if n > 1 and mean - plateau[0] > 2 * se else ""
