@@ -11,7 +11,9 @@ recipe (scripts/testbed.py SETTINGS at lr 5e-5):
     vine-silent    --vines-where silent: grpo's advantages in groups with contrast, VinePPO's (K = 9) in the others
     grpo-resample  --resample-silent M: grpo, and M fresh responses more to each silent group's prompt; M per task
                    (RESAMPLE) gives it vine-silent's sampled tokens an iteration, measured on vine-silent's seed 0
-    vine, grpo     the paper-regime grid's runs of the same seeds, copied (the same start, checked by sha256)
+    vine, grpo     the paper-regime grid's runs of the same seeds, copied (the same start, checked by sha256); from
+                   a start rebuilt on another CPU kind, run them first into --regime (`python -m scripts.paper_regime
+                   --task hard --arms grpo,vine --seeds 0,1,2,3,4`; docs/vines-where.md, amendment)
 The read-out (scripts/regime_report.py, PAIRS below) pairs them by seed on three axes: per iteration, per sampled
 token, per training wall-clock; and logs the silent groups, the share the vines found contrast in, the same for the
 fresh responses. The design: docs/vines-where.md.

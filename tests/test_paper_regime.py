@@ -212,12 +212,11 @@ def test_run_grid_takes_each_folders_own_arm_flags_and_reports_each_run_as_it_en
 def test_the_paper_table_lines_up_when_a_task_lacks_an_arm():
     """A grid cut off between tasks: the table's columns are every task's arms, and a task without one shows '–'
     in that column instead of shifting its other cells left."""
-    from scripts.regime_report import markdown
     plateau = {"test T 0.35 x 16": [0.3, 0.02], "test greedy": [0.3, 0.02]}
     run = {"final_paper": 0.6, "final_greedy": 0.61}
     summaries = {"easy": {"plateau": plateau, "arms": {"vine-silent": {0: run}}, "gaps": {}},
                  "hard": {"plateau": plateau, "arms": {"vine": {0: run}, "vine-silent": {0: run}}, "gaps": {}}}
-    table = [line for line in markdown(summaries).splitlines() if line.startswith("| ") and "---" not in line][:3]
+    table = [line for line in regime_report.markdown(summaries).splitlines() if line.startswith("| ") and "---" not in line][:3]
     assert table[0] == "| task | SFT plateau | vine-silent | vine |"
     assert table[1].split(" | ")[2:] == ["0.600 ± – (greedy 0.610)", "– |"]
     assert table[2].split(" | ")[2:] == ["0.600 ± – (greedy 0.610)", "0.600 ± – (greedy 0.610) |"]
