@@ -68,7 +68,10 @@ def task_summary(task_dir: Path, *, arms: dict[str, list[str]], pairs: list[tupl
                         "silent_first": silent_share(t[0]),
                         "silent_found": sum(r.get("resample_found_frac", r.get("silent_found_frac", 0.0))
                                             for r in t) / len(t),
-                        "silent_credited": sum(r.get("silent_credited_frac", 0.0) for r in t) / len(t),
+                        # with --resample-silent a group its fresh responses gave contrast has every response
+                        # credited (0/1 rewards, not all equal: none is at the group's mean)
+                        "silent_credited": sum(r.get("resample_found_frac", r.get("silent_credited_frac", 0.0))
+                                               for r in t) / len(t),
                         "tokens": sum(r["sampled_tokens"] for r in t) / len(t) / 1e6,
                         "seconds": t[-1]["train_seconds"] / len(t)} for s, t in trained.items()}
         out["arms"][arm] = per_seed

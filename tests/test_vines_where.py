@@ -78,7 +78,7 @@ def test_report_pairs_vine_silent_with_its_comparators(tmp_path):
     text = report(tmp_path, arms={"easy": arms}, settings=["--x"], pairs=vines_where.PAIRS)
     assert "| easy | vine-silent − grpo-resample | +0.100 ± 0.000 (2) * |" in text
     assert "| easy | vine-silent − vine | +0.050 ± 0.000 (2) * |" in text
-    assert "| easy | grpo-resample | 0.75 | 0.75 | 0.40 |" in text
+    assert "| easy | grpo-resample | 0.75 | 0.75 | 0.40 | 0.40 |" in text  # a group given contrast: all credited
     assert "vine − critic" not in text
 
 
