@@ -132,3 +132,30 @@ def test_kill_inside_the_separate_critics_update_then_resume_exactly(tmp_path, s
     for name in ("value_head.safetensors", "model.safetensors"):  # the resumed run ends with the same critic
         mine, theirs = load_file(folder / name), load_file(straight / "ckpt-000002" / "critic" / name)
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), name
+
+
+@pytest.mark.slow  # end to end: real train.py processes
+def test_kill_after_the_fresh_responses_update_then_resume_exactly(tmp_path, smol_path):
+    """--resample-silent (docs/vines-where.md): SIGKILL after iteration 2's update, its silent groups' fresh responses
+    sampled and trained on (a grown minibatch), then --resume: each iteration's metrics once, each as an
+    uninterrupted run's, silent groups among them. (--vines-where silent resumes through the vine path that
+    test_kill_at_every_point_then_resume covers; with it here too this file took 11 minutes on 2 cores.)"""
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    tiny = ["--estimator", "grpo", "--resample-silent", "2", "--iterations", "2", "--prompts-per-iter", "4"]
+    proc = start(straight, *tiny)
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, log
+    proc = start(cut, *tiny, pause="ppo:2")
+    wait_for(proc, "paused at ppo:2")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert committed(cut) == "ckpt-000001" and iterations(cut) in ([0, 1], [0, 1, 2])
+    proc = start(cut, *tiny, "--resume")
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0 and "resumed from" in log, log
+    assert iterations(cut) == [0, 1, 2]
+    a, b = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (straight, cut))
+    assert any(r.get("resampled_groups", 0) > 0 for r in a), "no silent group: the fresh responses were not sampled"
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if not k.startswith(NOT_COMPARED)} == \
+               {k: v for k, v in y.items() if not k.startswith(NOT_COMPARED)}, x["iteration"]
