@@ -157,15 +157,18 @@ def lift(out: Path, *, seeds: list[int], jobs: int, redraw: bool) -> str:
     return "\n".join(lines)
 
 
-def adopt_runs(source: Path, target: Path, *, names: dict[str, str], seeds: list[int], start: str) -> list[str]:
+def adopt_runs(source: Path, target: Path, *, names: dict[str, str], seeds: list[int], start: str,
+               evaluated: bool = False) -> list[str]:
     """Copy into target the finished runs of source made from `start` (the SFT sha256) whose command a target arm
-    repeats (names: target arm -> source arm), for the seeds asked whose target folder is still empty; returns the
-    names copied."""
+    repeats (names: target arm -> source arm), for the seeds asked whose target folder is still empty; with
+    `evaluated`, only those whose final.json is written (a target that never runs the arm itself); returns the names
+    copied."""
     copied = []
     for arm, source_arm in names.items():
         for seed in seeds:
             run, copy = source / f"{source_arm}-s{seed}", target / f"{arm}-s{seed}"
-            if run_state(run, start=start) == "done" and not copy.exists():
+            ready = run_state(run, start=start) == "done" and (not evaluated or (run / "final.json").exists())
+            if ready and not copy.exists():
                 shutil.copytree(run, copy)
                 copied.append(copy.name)
     return copied

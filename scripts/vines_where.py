@@ -65,7 +65,8 @@ def grid_arms(task: str, arms: list[str]) -> dict[str, list[str]]:
 
 def task_folder(out: Path, regime: Path, task: str, *, seeds: list[int]) -> Path:
     """out/<task>, bound to the paper-regime task's start: its sft/model.sha256 and plateau.json copied, and its
-    finished vine and grpo runs of these seeds (adopt_runs). Returns the paper-regime SFT folder (the model)."""
+    finished and evaluated vine and grpo runs of these seeds (adopt_runs: a copy taken during the run's final
+    evaluation would lack final.json for good). Returns the paper-regime SFT folder (the model)."""
     sft = regime / task / "sft"
     if not (start := sft_digest(sft)) or not (sft / "plateau.json").exists():
         raise SystemExit(f"error: {sft}: no SFT model with its plateau; run `python -m scripts.paper_regime --task "
@@ -73,7 +74,7 @@ def task_folder(out: Path, regime: Path, task: str, *, seeds: list[int]) -> Path
     (out / task / "sft").mkdir(parents=True, exist_ok=True)
     for name in ("model.sha256", "plateau.json"):
         shutil.copy(sft / name, out / task / "sft" / name)
-    adopt_runs(regime / task, out / task, names={a: a for a in BASE}, seeds=seeds, start=start)
+    adopt_runs(regime / task, out / task, names={a: a for a in BASE}, seeds=seeds, start=start, evaluated=True)
     return sft
 
 

@@ -41,18 +41,23 @@ def test_the_arms_parse_with_the_grids_settings(monkeypatch):
 
 def test_task_folder_binds_to_the_regime_start_and_copies_its_base_runs(tmp_path):
     """out/<task>/sft gets the regime SFT's sha256 and plateau; the regime's finished vine and grpo runs of that start
-    are copied (one from another start is not); a regime without an SFT model is one line."""
+    are copied once evaluated (one from another start, or one still in its final evaluation, is not); a regime
+    without an SFT model is one line."""
     regime, out = tmp_path / "regime", tmp_path / "out"
     sft = regime / "easy" / "sft"
     sft.mkdir(parents=True)
     (sft / "model.sha256").write_text(DIGEST + "\n")
     (sft / "plateau.json").write_text(json.dumps({"test greedy": [0.5, 0.02]}))
-    fake_run(regime / "easy" / "vine-s0", evals=[0.5] * 11)
-    fake_run(regime / "easy" / "grpo-s0", evals=[0.5] * 11, start="cd" * 32)
-    fake_run(regime / "easy" / "critic-s0", evals=[0.5] * 11)
+    fake_run(regime / "easy" / "vine-s0", evals=[0.5] * 11, final=0.6)
+    fake_run(regime / "easy" / "grpo-s0", evals=[0.5] * 11, final=0.6, start="cd" * 32)
+    fake_run(regime / "easy" / "critic-s0", evals=[0.5] * 11, final=0.6)
+    fake_run(regime / "easy" / "grpo-s1", evals=[0.5] * 11)  # done, its final evaluation not yet written
     assert vines_where.task_folder(out, regime, "easy", seeds=[0, 1]) == sft
     assert (out / "easy" / "sft" / "model.sha256").read_text().strip() == DIGEST
     assert sorted(p.name for p in (out / "easy").iterdir()) == ["sft", "vine-s0"]
+    (regime / "easy" / "grpo-s1" / "final.json").write_text("{}")
+    vines_where.task_folder(out, regime, "easy", seeds=[0, 1])
+    assert (out / "easy" / "grpo-s1" / "final.json").exists()
     with pytest.raises(SystemExit, match="no SFT model"):
         vines_where.task_folder(out, regime, "hard", seeds=[0])
 
