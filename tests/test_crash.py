@@ -1,5 +1,7 @@
-"""Crash tests: tiny arith runs with the real SmolLM2, killed with SIGKILL at named points (a test hook,
-VINEPPO_PAUSE_AT=point:iteration, makes the run wait there), then resumed; and SIGTERM during an update."""
+"""Crash tests: tiny runs killed with SIGKILL at named points (a test hook, VINEPPO_PAUSE_AT=point:iteration, makes
+the run wait there), then resumed; and SIGTERM during an update. The first runs arith with the real SmolLM2 (its
+1.6 GB checkpoints, a save killed half-way); the others, whose point is what a resume restores, run the testbed's
+chain with a tiny scratch model (`scratch`, a few seconds an iteration instead of twenty)."""
 import json
 import os
 import signal
@@ -16,7 +18,25 @@ TINY = ["--dataset", "arith", "--prompts-per-iter", "2", "--samples-per-prompt",
         "--sampler", "hf", "--iterations", "4"]
 
 
+CHAIN = ["--dataset", "chain", "--arith-ops", "1", "--prompt-format", "plain"]  # what a scratch model can write
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> list[str]:
+    """train.py's flags for a tiny scratch model on CHAIN (2 layers, width 64; sft.py --model scratch, 600 steps,
+    ~20 s): right about 8 times in 10 at train's temperature, so groups differ and the updates move the policy."""
+    out = tmp_path_factory.mktemp("scratch") / "sft"
+    run = subprocess.run([sys.executable, "sft.py", *CHAIN, "--model", "scratch", "--scratch-layers", "2",
+                          "--scratch-width", "64", "--scratch-heads", "2", "--max-steps", "600", "--batch-size", "16",
+                          "--micro-batch-size", "16", "--lr", "3e-3", "--eval-size", "2", "--eval-samples", "1",
+                          "--out-dir", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return [*CHAIN, "--model", str(out)]
+
+
 def start(out, *args, pause=None):
+    """train.py with TINY, then args (a later flag wins), in its own process; pause: VINEPPO_PAUSE_AT."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     env.pop("VINEPPO_PAUSE_AT", None)
     if pause:
@@ -68,30 +88,30 @@ def test_kill_at_every_point_then_resume(tmp_path, smol_path):
 
 
 @pytest.mark.slow  # end to end: real train.py / torchrun processes
-def test_sigterm_during_an_update_finishes_the_iteration_and_saves(tmp_path, smol_path):
+def test_sigterm_during_an_update_finishes_the_iteration_and_saves(tmp_path, scratch):
     out = tmp_path / "run"
-    proc = start(out, pause="ppo:2")
+    proc = start(out, *scratch, pause="ppo:2")
     wait_for(proc, "paused at ppo:2")
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 128 + signal.SIGTERM, log
     assert "finishing this iteration's update" in log
     assert iterations(out) == [0, 1, 2] and committed(out) == "ckpt-000002"
-    proc = start(out, "--resume", "--iterations", "3")  # a changed --iterations is applied
+    proc = start(out, *scratch, "--resume", "--iterations", "3")  # a changed --iterations is applied
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "applying changed flags: --iterations 4 -> 3" in log, log
     assert iterations(out) == [0, 1, 2, 3] and committed(out) == "ckpt-000003"
 
 
 @pytest.mark.slow  # end to end: real train.py / torchrun processes
-def test_resume_with_a_run_defining_flag_changed_stops_at_once(tmp_path, smol_path):
+def test_resume_with_a_run_defining_flag_changed_stops_at_once(tmp_path, scratch):
     out = tmp_path / "run"
-    proc = start(out, "--iterations", "1")
+    proc = start(out, *scratch, "--iterations", "1")
     assert proc.communicate(timeout=300)[0] and proc.returncode == 0
-    proc = start(out, "--iterations", "2")  # no --resume: refused, nothing touched
+    proc = start(out, *scratch, "--iterations", "2")  # no --resume: refused, nothing touched
     log = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0 and "already holds a run" in log and iterations(out) == [0, 1]
-    proc = start(out, "--iterations", "2", "--resume", "--k", "3", "--estimator", "grpo")
+    proc = start(out, *scratch, "--iterations", "2", "--resume", "--k", "3", "--estimator", "grpo")
     log = proc.communicate(timeout=60)[0]
     assert proc.returncode != 0 and log.strip().splitlines()[-1].startswith("error: --resume: flags that define")
     assert "--k 2 -> 3" in log and "--estimator vine -> grpo" in log
@@ -100,23 +120,24 @@ def test_resume_with_a_run_defining_flag_changed_stops_at_once(tmp_path, smol_pa
 NOT_COMPARED = ("seconds", "mem_gb", "tokens_per_s", "train_seconds", "comm_bytes")  # timings and memory
 
 
-@pytest.mark.slow  # end to end: real train.py processes, the policy, reference and critic each a SmolLM2
-def test_kill_inside_the_separate_critics_update_then_resume_exactly(tmp_path, smol_path):
+@pytest.mark.slow  # end to end: real train.py processes, the policy, reference and critic each a scratch model
+def test_kill_inside_the_separate_critics_update_then_resume_exactly(tmp_path, scratch):
     """--estimator critic (the separate critic): SIGKILL after the critic's first step of iteration 2 (its policy
     updated, the critic half-way), then --resume: each iteration's metrics once, and every one of them as an
     uninterrupted run's; the checkpoint holds the critic as a Hugging Face folder that loads without code."""
     from safetensors.torch import load_file
     from transformers import AutoModel
     straight, cut = tmp_path / "straight", tmp_path / "cut"
-    proc = start(straight, "--estimator", "critic", "--iterations", "2")
+    critic = [*scratch, "--estimator", "critic", "--iterations", "2"]
+    proc = start(straight, *critic)
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log
-    proc = start(cut, "--estimator", "critic", "--iterations", "2", pause="critic:3")  # 2 critic steps an iteration
+    proc = start(cut, *critic, pause="critic:3")  # 2 critic steps an iteration
     wait_for(proc, "paused at critic:3")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert committed(cut) == "ckpt-000001" and iterations(cut) == [0, 1]
-    proc = start(cut, "--estimator", "critic", "--iterations", "2", "--resume")
+    proc = start(cut, *critic, "--resume")
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0 and "resumed from" in log, log
     assert iterations(cut) == [0, 1, 2]
@@ -126,7 +147,7 @@ def test_kill_inside_the_separate_critics_update_then_resume_exactly(tmp_path, s
         assert {k: v for k, v in x.items() if not k.startswith(NOT_COMPARED)} == \
                {k: v for k, v in y.items() if not k.startswith(NOT_COMPARED)}, x["iteration"]
     folder = cut / "ckpt-000002" / "critic"
-    assert AutoModel.from_pretrained(folder).config.hidden_size == 576
+    assert AutoModel.from_pretrained(folder).config.hidden_size == 64  # the scratch model's width
     assert not (cut / "ckpt-000002" / "value_head.pt").exists()
     assert set(load_file(folder / "value_head.safetensors")) == {"weight", "bias"}
     for name in ("value_head.safetensors", "model.safetensors"):  # the resumed run ends with the same critic
@@ -135,13 +156,13 @@ def test_kill_inside_the_separate_critics_update_then_resume_exactly(tmp_path, s
 
 
 @pytest.mark.slow  # end to end: real train.py processes
-def test_kill_after_the_fresh_responses_update_then_resume_exactly(tmp_path, smol_path):
+def test_kill_after_the_fresh_responses_update_then_resume_exactly(tmp_path, scratch):
     """--resample-silent (docs/vines-where.md): SIGKILL after iteration 2's update, its silent groups' fresh responses
     sampled and trained on (a grown minibatch), then --resume: each iteration's metrics once, each as an
     uninterrupted run's, silent groups among them. (--vines-where silent resumes through the vine path that
-    test_kill_at_every_point_then_resume covers; with it here too this file took 11 minutes on 2 cores.)"""
+    test_kill_at_every_point_then_resume covers.)"""
     straight, cut = tmp_path / "straight", tmp_path / "cut"
-    tiny = ["--estimator", "grpo", "--resample-silent", "2", "--iterations", "2", "--prompts-per-iter", "4"]
+    tiny = [*scratch, "--estimator", "grpo", "--resample-silent", "2", "--iterations", "2", "--prompts-per-iter", "4"]
     proc = start(straight, *tiny)
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log
@@ -156,6 +177,7 @@ def test_kill_after_the_fresh_responses_update_then_resume_exactly(tmp_path, smo
     assert iterations(cut) == [0, 1, 2]
     a, b = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (straight, cut))
     assert any(r.get("resampled_groups", 0) > 0 for r in a), "no silent group: the fresh responses were not sampled"
+    assert all(r["grad_norm"] > 0 for r in a[1:]), "an update that moves nothing would resume exactly by default"
     for x, y in zip(a, b):
         assert {k: v for k, v in x.items() if not k.startswith(NOT_COMPARED)} == \
                {k: v for k, v in y.items() if not k.startswith(NOT_COMPARED)}, x["iteration"]
