@@ -120,6 +120,30 @@ def test_resume_with_a_run_defining_flag_changed_stops_at_once(tmp_path, scratch
 NOT_COMPARED = ("seconds", "mem_gb", "tokens_per_s", "train_seconds", "comm_bytes")  # timings and memory
 
 
+def killed_and_resumed(tmp_path, flags: list[str], *, pause: str, cut_iterations) -> list[dict]:
+    """Two iterations of train.py with `flags` twice: straight, and killed with SIGKILL at `pause` (committed:
+    ckpt-000001, iterations logged: one of cut_iterations) then --resume'd. Asserts each iteration is logged once and
+    that every metrics line but timings and memory (NOT_COMPARED) is the straight run's; returns the straight run's."""
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    proc = start(straight, *flags)
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, log
+    proc = start(cut, *flags, pause=pause)
+    wait_for(proc, f"paused at {pause}")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert committed(cut) == "ckpt-000001" and iterations(cut) in cut_iterations
+    proc = start(cut, *flags, "--resume")
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0 and "resumed from" in log, log
+    assert iterations(cut) == [0, 1, 2]
+    a, b = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (straight, cut))
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if not k.startswith(NOT_COMPARED)} == \
+               {k: v for k, v in y.items() if not k.startswith(NOT_COMPARED)}, x["iteration"]
+    return a
+
+
 @pytest.mark.slow  # end to end: real train.py processes, the policy, reference and critic each a scratch model
 def test_kill_inside_the_separate_critics_update_then_resume_exactly(tmp_path, scratch):
     """--estimator critic (the separate critic): SIGKILL after the critic's first step of iteration 2 (its policy
@@ -127,25 +151,11 @@ def test_kill_inside_the_separate_critics_update_then_resume_exactly(tmp_path, s
     uninterrupted run's; the checkpoint holds the critic as a Hugging Face folder that loads without code."""
     from safetensors.torch import load_file
     from transformers import AutoModel
-    straight, cut = tmp_path / "straight", tmp_path / "cut"
     critic = [*scratch, "--estimator", "critic", "--iterations", "2"]
-    proc = start(straight, *critic)
-    log = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, log
-    proc = start(cut, *critic, pause="critic:3")  # 2 critic steps an iteration
-    wait_for(proc, "paused at critic:3")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert committed(cut) == "ckpt-000001" and iterations(cut) == [0, 1]
-    proc = start(cut, *critic, "--resume")
-    log = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0 and "resumed from" in log, log
-    assert iterations(cut) == [0, 1, 2]
-    a, b = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (straight, cut))
-    for x, y in zip(a, b):
-        assert "value_loss" in x or x["iteration"] == 0
-        assert {k: v for k, v in x.items() if not k.startswith(NOT_COMPARED)} == \
-               {k: v for k, v in y.items() if not k.startswith(NOT_COMPARED)}, x["iteration"]
+    records = killed_and_resumed(tmp_path, critic, pause="critic:3",  # 2 critic steps an iteration
+                                 cut_iterations=([0, 1],))
+    assert all("value_loss" in x for x in records[1:])
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
     folder = cut / "ckpt-000002" / "critic"
     assert AutoModel.from_pretrained(folder).config.hidden_size == 64  # the scratch model's width
     assert not (cut / "ckpt-000002" / "value_head.pt").exists()
@@ -165,25 +175,9 @@ def test_kill_after_a_silent_groups_update_then_resume_exactly(tmp_path, scratch
     """docs/vines-where.md's two arms: SIGKILL after iteration 2's update (grpo-resample: its silent groups' fresh
     responses sampled and trained on in a grown minibatch; vine-silent: vines only in the silent groups), then
     --resume: each iteration's metrics once, each as an uninterrupted run's, silent groups among them."""
-    straight, cut = tmp_path / "straight", tmp_path / "cut"
     # 16 groups: at ~8 in 10 right, some group has contrast in every iteration, so every update moves the policy
     tiny = [*scratch, *SILENT_ARMS[arm], "--iterations", "2", "--prompts-per-iter", "16"]
-    proc = start(straight, *tiny)
-    log = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, log
-    proc = start(cut, *tiny, pause="ppo:2")
-    wait_for(proc, "paused at ppo:2")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert committed(cut) == "ckpt-000001" and iterations(cut) in ([0, 1], [0, 1, 2])
-    proc = start(cut, *tiny, "--resume")
-    log = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0 and "resumed from" in log, log
-    assert iterations(cut) == [0, 1, 2]
-    a, b = ([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (straight, cut))
+    records = killed_and_resumed(tmp_path, tiny, pause="ppo:2", cut_iterations=([0, 1], [0, 1, 2]))
     spent = "resampled_groups" if arm == "grpo-resample" else "vines"
-    assert any(r.get(spent, 0) > 0 for r in a), f"no silent group: no {spent} were sampled"
-    assert all(r["grad_norm"] > 0 for r in a[1:]), "an update that moves nothing would resume exactly by default"
-    for x, y in zip(a, b):
-        assert {k: v for k, v in x.items() if not k.startswith(NOT_COMPARED)} == \
-               {k: v for k, v in y.items() if not k.startswith(NOT_COMPARED)}, x["iteration"]
+    assert any(r.get(spent, 0) > 0 for r in records), f"no silent group: no {spent} were sampled"
+    assert all(r["grad_norm"] > 0 for r in records[1:]), "an update that moves nothing would resume exactly by default"
