@@ -24,6 +24,7 @@ Shapes: B = episodes, P = prompt columns (left-padded), R = response columns (ri
 """
 import math
 from functools import partial
+from itertools import accumulate
 
 import torch
 from tqdm import tqdm
@@ -158,10 +159,22 @@ def score_batch(scorer, batch: dict, P: int, *, groups: list[torch.Tensor], temp
     return out
 
 
-def minibatch_groups(groups: list[torch.Tensor], minibatch_size: int) -> list[list[torch.Tensor]]:
-    """Consecutive micro-batch `groups` (micro_batches) bundled into minibatches of minibatch_size episodes."""
-    per = max(1, minibatch_size // len(groups[0]))
-    return [groups[i:i + per] for i in range(0, len(groups), per)]
+def minibatch_groups(groups: list[torch.Tensor], minibatch_size: int, *, steps: int = 0) -> list[list[torch.Tensor]]:
+    """Consecutive micro-batch `groups` (micro_batches) bundled into minibatches of minibatch_size episodes; with
+    steps > 0 (a batch that --resample-silent grew), into exactly `steps` minibatches of near-equal size instead: the
+    groups split by position into runs of q or q + 1, the longer runs last, where micro_batches' short group sits."""
+    if steps <= 0:
+        per = max(1, minibatch_size // len(groups[0]))
+        return [groups[i:i + per] for i in range(0, len(groups), per)]
+    steps = min(steps, len(groups))
+    q, extra = divmod(len(groups), steps)
+    ends = list(accumulate(q + (k >= steps - extra) for k in range(steps)))
+    return [groups[a:b] for a, b in zip([0] + ends[:-1], ends)]
+
+
+def plain_steps(*, episodes: int, minibatch: int, micro: int) -> int:
+    """Optimizer steps an epoch takes on a batch of `episodes` (micro-batches of `micro`, minibatches of `minibatch`)."""
+    return math.ceil(math.ceil(episodes / micro) / max(1, minibatch // micro))
 
 
 def minibatch_tokens(batch: dict, minibatch: list[torch.Tensor]) -> float:
@@ -173,12 +186,13 @@ def minibatch_tokens(batch: dict, minibatch: list[torch.Tensor]) -> float:
 def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor], epochs: int,
                minibatch_size: int, clip: float, kl_coef: float, temperature: float, max_grad_norm: float = 1.0,
                max_ratio: float = 10.0, vf_coef: float = 0.1, value_clip: float = 0.2,
-               generator: torch.Generator | None = None) -> dict:
+               generator: torch.Generator | None = None, minibatches_per_epoch: int = 0) -> dict:
     """Epochs x minibatches of clipped PPO steps, with gradient accumulation over micro-batches. `scorer` is a
     model.Scorer (the policy, the value head if any, the compute dtype), or that Scorer wrapped for data parallelism
     (dist.wrap): forward and backward compute in its dtype (autocast) while the weights and AdamW's state stay fp32.
     A minibatch is minibatch_size / (micro-batch size) consecutive `groups` (micro_batches); each epoch takes the
-    minibatches in a new random order (their members stay: see micro_batches).
+    minibatches in a new random order (their members stay: see micro_batches); minibatches_per_epoch > 0: exactly
+    that many minibatches an epoch, of near-equal size (minibatch_groups), for a batch that --resample-silent grew.
     Under torchrun each rank passes its own episodes and minibatch_size / world: the loss is normalised by the
     minibatch's token count over all ranks, and the gradients summed over ranks (DDP averages, so the loss is scaled
     by the world size); N ranks x B / N episodes take the step 1 rank x B episodes would. Stats are global too.
@@ -189,7 +203,7 @@ def ppo_update(scorer, optimizer, scheduler, batch: dict, P: int, *, groups: lis
     """
     device = next(scorer.parameters()).device
     scorer.train()
-    minibatches = minibatch_groups(groups, minibatch_size)
+    minibatches = minibatch_groups(groups, minibatch_size, steps=minibatches_per_epoch)
     totals, steps, skipped, first_half = {}, 0, 0, None
     params = [p for group in optimizer.param_groups for p in group["params"]]
     bar = tqdm(total=epochs * len(minibatches), desc="ppo", leave=False, disable=dist.rank() > 0)
@@ -291,12 +305,6 @@ def make_optimizer(param_groups: list[dict], *, weight_decay: float, total_steps
     return optimizer, scheduler
 
 
-def grown_minibatch(episodes: int, *, minibatch: int, plain: int, micro: int) -> int:
-    """Episodes per optimizer step: `minibatch`, or for a batch that --resample-silent grew past the `plain` batch
-    (prompts x samples), larger in proportion (whole micro-batches), so that an iteration takes as many steps."""
-    return minibatch if episodes <= plain else math.ceil(episodes * minibatch / plain / micro) * micro
-
-
 def policy_update(scorer, reference_scorer, optimizer, scheduler, batch: dict, P: int, *, groups: list[torch.Tensor],
                   sampler_logprobs: list[list[float]], cfg) -> dict:
     """train.py's section 6: the log-probs of the sampling policy (unless the critic's pass left them in `batch`) and
@@ -319,11 +327,11 @@ def policy_update(scorer, reference_scorer, optimizer, scheduler, batch: dict, P
     if "returns" in batch:  # the critic's (either kind's) error on these fresh samples, before any update on them
         error = ((batch["old_values"] - batch["returns"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
         mismatch["value_error"] = dist.weighted_mean({"e": error}, weight=mask.sum().item())["e"]
-    minibatch = grown_minibatch(batch["response_mask"].shape[0], minibatch=cfg.minibatch_size // dist.world(),
-                                plain=cfg.prompts_per_iter * cfg.samples_per_prompt // dist.world(),
-                                micro=cfg.micro_batch_size)  # this rank's share of each step
+    minibatch, plain = cfg.minibatch_size // dist.world(), cfg.prompts_per_iter * cfg.samples_per_prompt // dist.world()
+    grown = batch["response_mask"].shape[0] > plain  # --resample-silent: the plain batch's steps, larger minibatches
+    steps = plain_steps(episodes=plain, minibatch=minibatch, micro=cfg.micro_batch_size) if grown else 0
     stats = ppo_update(scorer, optimizer, scheduler, batch, P, groups=groups, epochs=cfg.epochs,
-                       minibatch_size=minibatch,
+                       minibatch_size=minibatch, minibatches_per_epoch=steps,
                        clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,
                        max_grad_norm=cfg.max_grad_norm, vf_coef=cfg.vf_coef, value_clip=cfg.value_clip)
     return {**stats, **mismatch}

@@ -296,7 +296,8 @@ def iteration_record(done: int, *, episodes, rewards: list[float], advantages: l
                      clock: Clock, meter: Meter) -> dict:
     """The metrics line of a training iteration (before its evaluation), every figure over all ranks: reward,
     response length, the raw advantages' moments, the groups without contrast (silent_groups), the value / update /
-    mismatch stats, tokens sampled per second."""
+    mismatch stats, tokens sampled per second (rollouts, --resample-silent's fresh responses and vines, over the
+    seconds of the sections that sampled them)."""
     responses = episodes.responses
     raw = torch.cat(dist.all_gather(torch.cat(advantages)))  # (N,) all ranks' tokens
     response_tokens = dist.all_sum(torch.tensor([sum(map(len, responses))]))[0].item()
@@ -312,4 +313,4 @@ def iteration_record(done: int, *, episodes, rewards: list[float], advantages: l
             "advantage_mean": raw.mean().item(), "advantage_std": raw.std().item() if len(raw) > 1 else 0.0,
             "advantage_abs_mean": raw.abs().mean().item(), "lr": lr, **stats,
             "sampled_tokens": generated,
-            "tokens_per_s": generated / (meter.seconds["rollout"] + meter.seconds["values"])}
+            "tokens_per_s": generated / sum(meter.seconds.get(k, 0.0) for k in ("rollout", "resample", "values"))}

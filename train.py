@@ -107,8 +107,12 @@ def main(cfg: Config):
             # 3. Grade: 0/1 reward per response (0 if it hit the length limit)
             rewards = [grade(s.text, a, grader=cfg.grader, truncated=not s.finished)
                        for s, a in zip(episodes.samples, episodes.answers)]
-            episodes, rewards, resampled = resample_silent(sampler, episodes, rewards, extra=cfg.resample_silent,
-                                                           cfg=cfg, seed=row_seed(seed, 2))  # grpo-resample only
+            resampled = {}
+            if cfg.resample_silent:  # grpo-resample: fresh responses to the silent groups, a timed section of its own
+                meter.start()
+                episodes, rewards, resampled = resample_silent(sampler, episodes, rewards, extra=cfg.resample_silent,
+                                                               cfg=cfg, seed=row_seed(seed, 2))
+                meter.stop("resample")
             input_ids, attention_mask, response_mask, P = pad_episodes(episodes.prompts, episodes.responses,
                                                                        pad_id=tokenizer.pad_token_id)
             batch = {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
@@ -148,7 +152,7 @@ def main(cfg: Config):
             done = it + 1
             clock.add(time.perf_counter() - t0)
             record = iteration_record(done, episodes=episodes, rewards=rewards, advantages=advantages, lr=lr,
-                                      stats={**value_stats, **ppo_stats, **(resampled if cfg.resample_silent else {})},
+                                      stats={**value_stats, **ppo_stats, **resampled},
                                       clock=clock, meter=meter)
             evaluating = due(done, every=cfg.eval_every, last=cfg.iterations, now=clock.out_of_time or clock.crossed)
             if evaluating:

@@ -274,11 +274,16 @@ def test_resample_silent_grows_only_the_silent_groups_and_counts_what_it_found()
     assert same[2] == {"resampled_groups": 0, "silent_before_frac": pytest.approx(2 / 3), "resample_found_frac": 0.0}
 
 
-def test_grown_minibatch_keeps_the_optimizer_steps():
-    """A batch grown past prompts x samples takes larger minibatches (whole micro-batches), as many steps."""
-    import math
-    from ppo import grown_minibatch
-    assert grown_minibatch(512, minibatch=64, plain=512, micro=32) == 64
-    for episodes in (513, 800, 2112, 512 + 64 * 40):
-        size = grown_minibatch(episodes, minibatch=64, plain=512, micro=32)
-        assert size % 32 == 0 and math.ceil(math.ceil(episodes / 32) / (size // 32)) <= 8 < episodes / (size - 32)
+def test_a_grown_batch_takes_exactly_the_plain_batchs_steps_in_near_equal_minibatches():
+    """--resample-silent: a batch grown past prompts x samples is split into exactly the plain batch's number of
+    minibatches (8 for 512 episodes in minibatches of 64, micro-batches of 32), the largest at most twice the
+    smallest, every episode in one; the sizes the grid met (544, 1322, 1538) and every size up to 4,000."""
+    from ppo import micro_batches, minibatch_groups, plain_steps
+    steps = plain_steps(episodes=512, minibatch=64, micro=32)
+    assert steps == 8 and plain_steps(episodes=16, minibatch=8, micro=2) == 2
+    assert len(minibatch_groups(micro_batches(512, size=32), 64)) == 8  # the plain batch, bundled as before
+    for n in (544, 1322, 1538, *range(513, 4001, 7)):
+        minibatches = minibatch_groups(micro_batches(n, size=32), 64, steps=steps)
+        sizes = [sum(len(idx) for idx in mb) for mb in minibatches]
+        assert len(minibatches) == 8 and max(sizes) <= 2 * min(sizes), (n, sizes)
+        assert sorted(torch.cat([idx for mb in minibatches for idx in mb]).tolist()) == list(range(n))

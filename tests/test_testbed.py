@@ -187,6 +187,8 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
             r = records[1]  # every response counted: the 4 and 2 more for each silent group
             assert r["sampled_tokens"] == pytest.approx(r["response_length"] * (4 + 2 * r["resampled_groups"]))
             assert 0 <= r["resampled_groups"] <= 2 and r["optimizer_steps"] == grpo["optimizer_steps"]
+            sampling = r["seconds_rollout"] + r["seconds_resample"] + r["seconds_values"]  # the fresh ones timed too
+            assert r["tokens_per_s"] == pytest.approx(r["sampled_tokens"] / sampling)
         assert json.loads((out / "start.json").read_text())["model_sha256"] == json.loads(
             (tmp_path / "vine" / "start.json").read_text())["model_sha256"]  # every run records the same start
         assert (out / "latest").exists()
