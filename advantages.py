@@ -9,14 +9,17 @@ The baselines of the paper's comparison, all feeding the same PPO update (`--est
     grpo:   one advantage per response, (r - mean) / std over the prompt's group  -> group_baseline_advantages
     rloo:   one advantage per response, r minus the mean of the group's others    -> group_baseline_advantages
 
---vines-where silent (docs/vines-where.md): vines only in the groups without contrast (silent_responses), whose step
-advantages are put in grpo's units (in_group_units); the other groups take grpo's.
+--vines-where silent (docs/vines-where.md): vines only for the responses whose group's others all agree (vine_responses:
+every response of a silent group, and the one response that differs from all the others), their step advantages put
+in grpo's units (in_group_units); the other responses take grpo's.
 
 Sections 4 and 5 of train.py are `values_for` and `advantages_for`: the only places that branch on --estimator.
 
 Shapes: T = steps of one response, L = tokens of one response, N = all response tokens of a batch, B = responses of a
 batch, R = response columns (right-padded).
 """
+from collections import Counter
+
 import torch
 
 import dist
@@ -85,25 +88,33 @@ def group_baseline_advantages(*, rewards: list[float], groups: list[int], length
     return out
 
 
-def silent_responses(*, rewards: list[float], groups: list[int]) -> list[bool]:
-    """Whether each response's group (groups[i] names its prompt) holds one outcome only, all right or all wrong:
-    where grpo's advantages are 0 and only vines can find contrast (--vines-where silent)."""
-    outcomes = {}
+def vine_responses(*, rewards: list[float], groups: list[int]) -> list[bool]:
+    """--vines-where silent: whether each response gets vines, decided on the *other* responses of its group
+    (groups[i] names its prompt): yes where they all got one reward (every response of a silent group, and a
+    response that alone differs from all the others), no where they differ among themselves. Its own reward plays no
+    part, so it cannot select its credit. Deciding on the whole group, its own reward included, vines a response only
+    when the others happen to match it, which weights its vine credit by that chance (on a hard prompt a wrong
+    response's far more than a right one's) and tilts the expected update off the policy gradient
+    (tests/test_advantages.py: the exact toy)."""
+    counts = {}
     for g, r in zip(groups, rewards):
-        outcomes.setdefault(g, set()).add(r)
-    return [len(outcomes[g]) == 1 for g in groups]
+        counts.setdefault(g, Counter())[r] += 1
+    return [len(counts[g]) - (counts[g][r] == 1) <= 1 for g, r in zip(groups, rewards)]
 
 
-def in_group_units(advantages: list[torch.Tensor], *, values: list[list[float]], groups: list[int]):
-    """--vines-where silent: silent groups' vine advantages in grpo's units. grpo divides a group's r - mean by the sd
-    of its outcomes; here each group's step advantages are divided by sqrt(p (1 - p)) + 1e-4, p the mean of its
-    responses' state values (what its vines saw). A group whose vines found no contrast has all values equal to its
-    reward and keeps advantages of 0."""
-    states = {}
-    for v, g in zip(values, groups):
-        states.setdefault(g, []).extend(v[:-1])  # the terminal 0 is no state
-    sd = {g: (sum(vs) / len(vs) * (1 - sum(vs) / len(vs))) ** 0.5 if vs else 0.0 for g, vs in states.items()}
-    return [a / (sd[g] + 1e-4) for a, g in zip(advantages, groups)]
+def in_group_units(advantages: list[torch.Tensor], *, prompt_values: list[float], K: int) -> list[torch.Tensor]:
+    """--vines-where silent: vined responses' step advantages in grpo's units. grpo divides r - mean by the sd of its
+    group's outcomes (torch.std, Bessel-corrected over the group's n); here each response's advantages are divided by
+    the population sd of a Bernoulli(p), sqrt(p (1 - p)) + 1e-4, p its prompt state's MC value (its vines are fresh
+    samples, independent of the response, so the division only reweights prompts and keeps the update unbiased),
+    held at least half a vine from 0 and 1 (p in [1 / 2K, 1 - 1 / 2K]) so that a prompt whose K vines all agreed is
+    not divided by ~0. For n = 8 the two sds differ by sqrt(8 / 7) = 1.07. Applied before the batch whitening: a
+    response whose vines found no contrast (all its values equal its reward) keeps advantages of 0 until then."""
+    out = []
+    for a, p in zip(advantages, prompt_values):
+        p = min(max(p, 1 / (2 * K)), 1 - 1 / (2 * K))
+        out.append(a / ((p * (1 - p)) ** 0.5 + 1e-4))
+    return out
 
 
 def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -119,9 +130,9 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
                tokenizer, cfg, seed: int, critic=None):
     """train.py's section 4. vine: split every response into steps (--step-split; entropy:F scores the batch first)
     and estimate the value of the state before each step from K vines (values.estimate_values); with --vines-where
-    silent only for the responses of groups without contrast (the others' values are None). critic: the value
-    of every response token, from the separate critic's forward (`critic`, critic.SeparateCritic) or with --critic
-    head from the policy's forward pass that gives the old log-probs (kept in `batch` for the update).
+    silent only for the responses whose group's others agree (vine_responses; the others' values are None). critic:
+    the value of every response token, from the separate critic's forward (`critic`, critic.SeparateCritic) or with
+    --critic head from the policy's forward pass that gives the old log-probs (kept in `batch` for the update).
     grpo / rloo: no values.
     Returns (values, step starts (vine) or None, stats for the metrics line)."""
     if estimator == "vine":
@@ -133,8 +144,8 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
             entropies = [scored["entropy"][i, :len(r)].tolist() for i, r in enumerate(episodes.responses)]
         starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task=cfg.task, split=cfg.step_split,
                                     logprobs=s.logprobs, entropies=e) for s, e in zip(episodes.samples, entropies)]
-        vined = [i for i, silent in enumerate(silent_responses(rewards=rewards, groups=episodes.groups))
-                 if silent or cfg.vines_where == "all"]  # --vines-where silent: the groups without contrast only
+        vined = [i for i, others_agree in enumerate(vine_responses(rewards=rewards, groups=episodes.groups))
+                 if others_agree or cfg.vines_where == "all"]  # --vines-where silent: where the others agree only
         pick = lambda items: [items[i] for i in vined]  # noqa: E731
         estimated, stats = estimate_values(
             sampler=sampler, prompts=pick(episodes.prompts), responses=pick(episodes.responses),
@@ -160,7 +171,7 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
 
 def advantages_for(estimator: str, *, values, starts, rewards: list[float], episodes, batch: dict, cfg):
     """train.py's section 5. vine: GAE over the step values, every token of a step gets its step's advantage (with
-    --vines-where silent: groups with contrast take grpo's, the silent ones their vines' in grpo's units).
+    --vines-where silent: the vined responses their vines' in grpo's units, the others grpo's).
     critic: GAE over the token values (and the value targets, into `batch`). grpo / rloo: one advantage per response
     from its group's rewards. The advantages (whitened over the batch with --whiten) go into batch["advantages"]
     (B, R); returns the raw ones, one (L,) tensor per response, for the log."""
@@ -173,7 +184,7 @@ def advantages_for(estimator: str, *, values, starts, rewards: list[float], epis
         if cfg.vines_where == "silent":  # the others: grpo's, from their group's contrast
             advantages = group_baseline_advantages(rewards=rewards, groups=episodes.groups,
                                                    lengths=list(map(len, responses)), kind="grpo")
-            step = in_group_units(step, values=[values[i] for i in vined], groups=[episodes.groups[i] for i in vined])
+            step = in_group_units(step, prompt_values=[values[i][0] for i in vined], K=cfg.k)
             for i, a in zip(vined, step):
                 advantages[i] = a
         else:
