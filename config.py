@@ -14,6 +14,7 @@ from grader import grader_of, is_number
 from model import DEFAULT_MODEL, model_problem, pick_device
 
 TRACKERS = ("none", "tensorboard", "wandb")
+MAX_RESAMPLE = 16  # --resample-silent: at most this many times --samples-per-prompt fresh responses per silent group
 
 
 def arg(default, help, **kwargs):
@@ -63,8 +64,9 @@ class Config:
                                    "those fall short of K (--k-mode fixed only)",
                             choices=["off", "add", "topup"])
     vines_where: str = arg("all", "where vines are sampled (docs/vines-where.md): all (the paper: every state of "
-                                  "every response); silent: only in groups whose responses all got the same reward, "
-                                  "the others take grpo's advantages", choices=["all", "silent"])
+                                  "every response); silent: only for the responses whose group's others all got one "
+                                  "reward (a silent group, or the one response that differs), the others take grpo's "
+                                  "advantages", choices=["all", "silent"])
     resample_silent: int = arg(0, "grpo / rloo: this many fresh responses more to the prompt of every group whose "
                                   "responses all got the same reward, joined to its group (the comparator of "
                                   "--vines-where silent; 0: off); the update keeps its number of optimizer steps")
@@ -248,6 +250,15 @@ def parse_config(argv=None) -> Config:
     if cfg.resample_silent < 0 or cfg.resample_silent and (cfg.estimator not in ("grpo", "rloo") or world > 1):
         parser.error(f"--resample-silent takes 0 (off) or more fresh responses, with --estimator grpo or rloo on one "
                      f"process (got {cfg.resample_silent} with --estimator {cfg.estimator}, {world} rank(s))")
+    if cfg.resample_silent > MAX_RESAMPLE * cfg.samples_per_prompt:  # a typo's extra zeros would sample for hours
+        parser.error(f"--resample-silent takes at most {MAX_RESAMPLE} x --samples-per-prompt = "
+                     f"{MAX_RESAMPLE * cfg.samples_per_prompt} fresh responses per silent group (got "
+                     f"{cfg.resample_silent}): with every group silent the batch would grow past "
+                     f"{MAX_RESAMPLE + 1} times its {cfg.prompts_per_iter} x {cfg.samples_per_prompt} episodes")
+    if cfg.free_samples != "off" and cfg.vines_where == "silent":
+        parser.error(f"--free-samples {cfg.free_samples} with --vines-where silent: in a vined group the other "
+                     f"responses through a state got the group's reward by selection, so as free samples they would "
+                     f"pull every value toward it; drop one of the two")
     if cfg.free_samples == "topup" and cfg.k_mode != "fixed":
         parser.error(f"--free-samples topup takes --k-mode fixed only (got {cfg.k_mode}): with adaptive or official "
                      f"K, how many vines a state gets would depend on the rewards of the responses whose values they "

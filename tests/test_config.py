@@ -60,6 +60,12 @@ def one_error_line(argv, capsys) -> str:
     (["--resample-silent=-1", "--estimator", "grpo"], "--resample-silent takes 0 (off) or more fresh responses, with "
                                                       "--estimator grpo or rloo on one process (got -1 with "
                                                       "--estimator grpo, 1 rank(s))"),
+    (["--resample-silent", "100000", "--estimator", "grpo"],
+     "--resample-silent takes at most 16 x --samples-per-prompt = 64 fresh responses per silent group (got 100000): "
+     "with every group silent the batch would grow past 17 times its 4 x 4 episodes"),
+    (["--vines-where", "silent", "--free-samples", "topup"],
+     "--free-samples topup with --vines-where silent: in a vined group the other responses through a state got the "
+     "group's reward by selection, so as free samples they would pull every value toward it; drop one of the two"),
 ])
 def test_each_bad_flag_is_one_line(argv, message, capsys):
     assert one_error_line(["--device", "cpu", *argv], capsys) == message
