@@ -278,33 +278,45 @@ def validate(sampler, policy, tokenizer, validation: list[dict], cfg: SFTConfig,
     return record["validation_accuracy"]
 
 
-def best_so_far(out_dir: Path) -> dict:
-    """--keep-best: the step and validation pass@1 of the model in out_dir/best (a swap cut off by a kill is
-    finished first), or step 0 if none."""
-    best, old = out_dir / "best", out_dir / "best.old"
+def best_so_far(out_dir: Path, *, upto: int) -> dict:
+    """--keep-best: the step and validation pass@1 of the model in out_dir/best, or step 0 if none, once what a kill
+    cut off is settled: a swap half done is finished, and a new best staged in out_dir/.tmp-best (save_best) is
+    swapped in if the checkpoint a resume starts from (step `upto`) covers it, else dropped: its step will be
+    trained again, and a replay that is not bit-identical (another CPU kind) must not end with the abandoned
+    run's model."""
+    best, old, staged = out_dir / "best", out_dir / "best.old", out_dir / ".tmp-best"
     if old.exists():
         if best.exists():
             shutil.rmtree(old)
         else:
             old.rename(best)
+    if (staged / "best.json").exists() and json.loads((staged / "best.json").read_text())["step"] <= upto:
+        swap_best(out_dir)
+    shutil.rmtree(staged, ignore_errors=True)
     if not (best / "best.json").exists():
         return {"step": 0, "validation_accuracy": -1.0}
     return json.loads((best / "best.json").read_text())
 
 
 def save_best(out_dir: Path, *, policy, tokenizer, step: int, accuracy: float) -> dict:
-    """--keep-best: the model as an HF folder in out_dir/best, with best.json; written beside it, then swapped in."""
-    tmp, best, old = out_dir / ".tmp-best", out_dir / "best", out_dir / "best.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    """--keep-best: the model as an HF folder staged in out_dir/.tmp-best, best.json written last; swap_best moves it
+    into out_dir/best once the checkpoint of the same step is written."""
+    staged = out_dir / ".tmp-best"
+    shutil.rmtree(staged, ignore_errors=True)
+    policy.save_pretrained(staged)
+    tokenizer.save_pretrained(staged)
     record = {"step": step, "validation_accuracy": accuracy}
-    (tmp / "best.json").write_text(json.dumps(record))
+    (staged / "best.json").write_text(json.dumps(record))
+    return record
+
+
+def swap_best(out_dir: Path):
+    """--keep-best: the staged best (save_best) in place of out_dir/best (the old one kept as best.old until then)."""
+    staged, best, old = out_dir / ".tmp-best", out_dir / "best", out_dir / "best.old"
     if best.exists():
         best.rename(old)
-    tmp.rename(best)
+    staged.rename(best)
     shutil.rmtree(old, ignore_errors=True)
-    return record
 
 
 def load_best(out_dir: Path, policy):
@@ -348,7 +360,6 @@ def main(cfg: SFTConfig):
         (out_dir / "config.json").unlink(missing_ok=True)
         for old in ("best", "best.old"):
             shutil.rmtree(out_dir / old, ignore_errors=True)
-    best = best_so_far(out_dir) if cfg.keep_best else None
     dtype = pick_dtype(cfg.dtype, device)
     train_set, test_set = load_splits(cfg.dataset, data_dir=cfg.data_dir, arith_ops=cfg.arith_ops,
                                       arith_max=cfg.arith_max, eval_size=cfg.eval_size, chain_filler=cfg.chain_filler,
@@ -392,6 +403,7 @@ def main(cfg: SFTConfig):
         if rank == 0:
             repair_metrics(out_dir / "metrics.jsonl", upto=start)
         dist.print0(f"resumed from {source} at step {start}")
+    best = best_so_far(out_dir, upto=start) if cfg.keep_best else None
     runlog = RunLog(out_dir, cfg, total=total, first=start, unit="step")  # metrics.jsonl
     saver = Saver(out_dir, rng=rng, completed=start, train_seconds=train_seconds, scorer=scorer, policy=policy,
                   value_head=None, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, cfg=cfg)
@@ -424,11 +436,12 @@ def main(cfg: SFTConfig):
             if cfg.stop_at and accuracy is not None and accuracy >= cfg.stop_at:
                 total = record["stopped_at_target"] = completed  # the last step: its test evaluation and save follow
             new_best = cfg.keep_best and accuracy is not None and accuracy > best["validation_accuracy"]
-            if new_best:  # a checkpoint follows below, so that a resume never goes back past the best
+            if new_best:  # staged; swapped in after this step's checkpoint, so a resume never starts behind it
                 best = save_best(out_dir, policy=policy, tokenizer=tokenizer, step=completed, accuracy=accuracy)
             if completed == total:
                 if cfg.keep_best:  # the final model is the best checkpoint: evaluated and saved below
-                    load_best(out_dir, policy)
+                    if not new_best:  # (a best of this very step is the policy as it is)
+                        load_best(out_dir, policy)
                     record["best_step"] = best["step"]
                 sampler.sync(policy)
                 t1 = time.perf_counter()
@@ -444,6 +457,8 @@ def main(cfg: SFTConfig):
             stopping = stop.any_rank()
             if due(completed, every=cfg.save_every, last=total, now=stopping) or new_best:
                 saver.save()
+            if new_best:
+                swap_best(out_dir)
             if not dist.active():
                 stop.release()
             evaluated = f", eval pass@1 {record['eval_accuracy']:.3f} ± {record['eval_se']:.3f}" if (

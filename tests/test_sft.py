@@ -185,11 +185,53 @@ def test_keep_best_ends_with_the_best_validation_checkpoint(tmp_path, monkeypatc
     final, best = load_file(out / "model.safetensors"), load_file(out / "best" / "model.safetensors")
     assert final.keys() == best.keys() and all(torch.equal(final[k], best[k]) for k in final)
     assert any(not torch.equal(last_step[k], best[k]) for k in best)  # steps 5-7 moved the weights (lr 1e-2)
-    (out / "best").rename(out / "best.old")  # a kill between the two renames of save_best
-    assert sft.best_so_far(out)["step"] == 4 and (out / "best").exists() and not (out / "best.old").exists()
+    (out / "best").rename(out / "best.old")  # a kill between the two renames of swap_best
+    assert sft.best_so_far(out, upto=7)["step"] == 4 and (out / "best").exists() and not (out / "best.old").exists()
     with pytest.raises(SystemExit):
         parse_sft_config(["--device", "cpu", "--dataset", "gsm8k", "--keep-best"])
     assert "--keep-best checks the validation split of arith or chain" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_sft_config(["--device", "cpu", "--dataset", "arith", "--chain-bug", "borrow"])
     assert "--chain-bug borrow takes --dataset chain" in capsys.readouterr().err
+
+
+def test_keep_best_killed_between_the_best_and_its_checkpoint_resumes_without_the_abandoned_best(tmp_path,
+                                                                                                  monkeypatch):
+    """A kill after a new best is written and before the checkpoint of its step: best/ must not hold a step past the
+    checkpoint a resume starts from. The resumed run here replays differently (validation scripted 0.5 at step 4
+    where the killed run saw 0.6, as a replay on another CPU kind may): its final model is its own step-4 best, not
+    the abandoned run's."""
+    import sft
+    scores = {"killed": iter([0.2, 0.6]), "resumed": iter([0.5, 0.4, 0.3])}
+    phase = ["killed"]
+
+    def scripted(sampler, tokenizer, examples, cfg, *, seed, keep=None):
+        return (next(scores[phase[0]]), 0.02) if examples[0]["where"].endswith("validation problem 1") else (0.5, 0.02)
+
+    class Killed(Exception):
+        pass
+    real_save = sft.Saver.save
+
+    def save(self):  # SIGKILL, in effect, at the checkpoint of step 4 (the new best's)
+        if phase[0] == "killed" and self.completed == 4:
+            raise Killed
+        real_save(self)
+    monkeypatch.setattr(sft, "evaluate", scripted)
+    monkeypatch.setattr(sft.Saver, "save", save)
+    out = tmp_path / "sft"
+    argv = ["--device", "cpu", "--dataset", "chain", "--arith-ops", "2", "--prompt-format", "plain", "--model",
+            "scratch", "--scratch-layers", "1", "--scratch-width", "16", "--scratch-heads", "2", "--max-steps", "7",
+            "--batch-size", "4", "--micro-batch-size", "4", "--lr", "1e-2", "--keep-best", "--stop-every", "2",
+            "--stop-size", "5", "--eval-size", "3", "--max-new-tokens", "16", "--threads", "1", "--save-every", "100",
+            "--out-dir", str(out)]
+    with pytest.raises(Killed):
+        sft.main(parse_sft_config(argv))
+    assert (out / "latest").read_text().split()[0] == "ckpt-000002"
+    assert json.loads((out / "best" / "best.json").read_text())["step"] == 2  # never past the checkpoint
+    phase[0] = "resumed"
+    sft.main(parse_sft_config([*argv, "--resume"]))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["validation_accuracy"]) for r in records if "validation_accuracy" in r] == [
+        (2, 0.2), (4, 0.5), (6, 0.4), (7, 0.3)]
+    assert json.loads((out / "best" / "best.json").read_text()) == {"step": 4, "validation_accuracy": 0.5}
+    assert records[-1]["best_step"] == 4 and not (out / ".tmp-best").exists()
