@@ -14,6 +14,8 @@ import pickle
 import torch
 import torch.distributed as dist
 
+own_group = False  # whether init made the process group (in-process vLLM makes one of its own)
+
 
 def init(device: torch.device) -> tuple[int, int]:
     """(rank, world size). Under torchrun: join the process group (NCCL for CUDA, gloo for the CPU), on CUDA pin this
@@ -27,8 +29,10 @@ def init(device: torch.device) -> tuple[int, int]:
         torch.cuda.set_device(local_rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    global own_group
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        own_group = True
     if dist.get_rank() == 0:
         world = dist.get_world_size()
         print(f"torchrun: {world} rank{'s' if world > 1 else ''}, {dist.get_backend()}", flush=True)
@@ -36,9 +40,11 @@ def init(device: torch.device) -> tuple[int, int]:
 
 
 def finish():
-    """Leave the process group (at the end of a run), all ranks together: a rank that tears gloo down while another
-    still writes its files can abort at exit ("terminate called without an active exception")."""
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group that init joined (at the end of a run), all ranks together: a rank that tears gloo down
+    while another still writes its files can abort at exit ("terminate called without an active exception"). A group
+    this program did not make is left alone: in-process vLLM makes one of its own and destroys it at its shutdown
+    (destroying it here first ends every `--sampler vllm` run in "Invalid process group specified")."""
+    if own_group and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 

@@ -166,3 +166,15 @@ def test_torchrun_sft_trains_checkpoints_resumes_and_saves_the_model(tmp_path, s
     model, base = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(smol_path)
     assert not torch.equal(model.lm_head.weight, base.lm_head.weight)  # trained
     assert model.lm_head.weight.shape == base.lm_head.weight.shape
+
+
+def test_finish_leaves_alone_a_process_group_it_did_not_make(tmp_path):
+    """In-process vLLM makes a process group of its own and destroys it at its shutdown; dist.finish (train.py's last
+    call, no torchrun) must not destroy it first, or every `--sampler vllm` run ends in a traceback."""
+    code = ("import torch, torch.distributed as d, dist; "
+            f"d.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1); "
+            "assert dist.init(torch.device('cpu')) == (0, 1); dist.finish(); "
+            "print('still there' if d.is_initialized() else 'destroyed'); d.destroy_process_group()")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "still there", run.stdout + run.stderr[-2000:]
