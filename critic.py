@@ -5,7 +5,8 @@ with a linear value head on the last hidden state:
 
     V(s_t) = w . h_t + b        h_t: the critic trunk's last hidden state at the last token of state s_t
 
-The head starts at zero (w = 0, b = 0: every V is 0 at first, as `model.new_value_head`). The critic has its own AdamW
+The head starts at zero (w = 0, b = 0: every V is 0 at first, as `model.new_value_head`; the official code draws w from
+a normal with std 1/sqrt(H + 1), a departure docs/critic.md explains). The critic has its own AdamW
 (`--value-lr`, default `--lr` as the official configuration; the policy's warmup and decay) and is trained by the
 clipped value loss alone (ppo.value_loss, `--value-clip`), epochs x minibatches of the same batch as the policy's
 update; no gradient of it reaches the policy, and the policy's loss carries no value term. Section 4 of train.py asks

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from scripts.free_samples import token_curve  # noqa: E402
-from scripts.plot import area, eval_curve, held, mean_se, pm  # noqa: E402
+from scripts.plot import area, eval_curve, held, mean_se, pm, read_metrics  # noqa: E402
 from scripts.testbed import done_runs, sft_digest  # noqa: E402
 
 AXES = {"iteration": "per iteration", "tokens": "per sampled token", "minutes": "per wall-clock"}
@@ -57,7 +57,8 @@ def task_summary(task_dir: Path, *, arms: dict[str, list[str]], pairs: list[tupl
     runs, _ = done_runs(task_dir, arms=arms, start=sft_digest(task_dir / "sft"))
     finals = {arm: {seed: json.loads(p.read_text()) for seed in by_seed
                     if (p := task_dir / f"{arm}-s{seed}" / "final.json").exists()} for arm, by_seed in runs.items()}
-    out = {"plateau": json.loads((task_dir / "sft" / "plateau.json").read_text()), "arms": {}, "gaps": {}}
+    out = {"plateau": json.loads((task_dir / "sft" / "plateau.json").read_text()), "arms": {}, "gaps": {},
+           "sft_validation": sft_validation(task_dir / "sft")}
     for arm, by_seed in runs.items():
         trained = {s: [r for r in records if r["iteration"] > 0] for s, records in by_seed.items()}
         per_seed = {s: {"final_paper": finals[arm][s][PAPER_EVAL][0] if s in finals[arm] else None,
@@ -81,6 +82,15 @@ def task_summary(task_dir: Path, *, arms: dict[str, list[str]], pairs: list[tupl
             out["gaps"][f"{arm} − {base}"] = {axis: {s: pair_gap(runs[arm][s], runs[base][s], axis=axis) for s in seeds}
                                               for axis in AXES}
     return out
+
+
+def sft_validation(sft_dir: Path, *, every: int = 200) -> list[tuple[int, float, float]]:
+    """The SFT run's path to its plateau: (step, greedy validation pass@1, lr) every `every` steps and at its last
+    check, from sft/metrics.jsonl (empty where it is not committed)."""
+    path = sft_dir / "metrics.jsonl"
+    checks = [r for r in read_metrics(path) if "validation_accuracy" in r] if path.exists() else []
+    return [(r["iteration"], r["validation_accuracy"], r["lr"]) for r in checks
+            if r["iteration"] % every == 0 or r is checks[-1]]
 
 
 def silent_share(record: dict) -> float:
@@ -121,14 +131,24 @@ def markdown(summaries: dict[str, dict]) -> str:
             lines.append(f"| {task} | {name} | " + " | ".join(gap_cell(list(by_axis[a].values())) for a in AXES) + " |")
     if len(summaries) == 2:
         (easy, e), (hard, h) = summaries.items()
-        lines += ["", f"Does a gap grow from {easy} to {hard}? ({hard} − {easy}, ± the two SEs combined):", "",
+        lines += ["", f"Does a gap grow from {easy} to {hard}? ({hard} − {easy}, ± the two SEs combined; '*': more than "
+                  f"2 SE from 0):", "",
                   "| gap | " + " | ".join(AXES.values()) + " |", "| --- " * (1 + len(AXES)) + "|"]
         for name in [n for n in e["gaps"] if n in h["gaps"]]:
             cells = []
             for axis in AXES:
                 (me, se_e), (mh, se_h) = (mean_se(list(x["gaps"][name][axis].values())) for x in (e, h))
-                cells.append(f"{mh - me:+.3f} ± {math.hypot(se_e, se_h):.3f}")
+                star = " *" if abs(mh - me) > 2 * math.hypot(se_e, se_h) else ""
+                cells.append(f"{mh - me:+.3f} ± {math.hypot(se_e, se_h):.3f}{star}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    paths = {task: s["sft_validation"] for task, s in summaries.items() if s["sft_validation"]}
+    if paths:
+        steps = list(dict.fromkeys(step for path in paths.values() for step, _, _ in path))
+        lines += ["", "The SFT start's path: greedy validation pass@1 (200 problems) at each step, lr beside it:", "",
+                  "| task | " + " | ".join(map(str, steps)) + " |", "| --- " * (1 + len(steps)) + "|"]
+        for task, path in paths.items():
+            at = {step: f"{acc:.3f} ({lr:.1e})" for step, acc, lr in path}
+            lines.append(f"| {task} | " + " | ".join(at.get(step, "–") for step in steps) + " |")
     lines += ["", "Per iteration (mean over iterations 1-30, then over seeds): groups without contrast (all right or all "
               "wrong) as sampled, at iteration 1, the share of them given contrast (a response with a nonzero "
               "advantage: vines, a critic, or with --resample-silent the fresh responses) and of their responses "
@@ -141,6 +161,32 @@ def markdown(summaries: dict[str, dict]) -> str:
                      (("silent", 2), ("silent_first", 2), ("silent_found", 2), ("silent_credited", 2), ("tokens", 3),
                       ("seconds", 1))]
             lines.append(f"| {task} | {arm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def start_shift(starts: dict[str, Path], *, arms: list[str]) -> str:
+    """How much the SFT start moves each arm: for two task folders of the same recipe built from different starts
+    (starts: label -> folder; the second minus the first), per arm the seed-paired difference of the mean greedy
+    pass@1 over iterations 1-30 and of the final 16 x T 0.35 pass@1 (mean ± SE over the seeds both hold), beside
+    each start's plateau."""
+    first, second = starts
+    runs = {label: done_runs(d, arms={arm: [] for arm in arms}, start=sft_digest(d / "sft"))[0]
+            for label, d in starts.items()}
+    plateaus = {label: json.loads((d / "sft" / "plateau.json").read_text())[PAPER_EVAL] for label, d in starts.items()}
+    shift = plateaus[second][0] - plateaus[first][0]
+    lines = [f"Start {second} − start {first} (same recipe, SFT rebuilt; plateau 16 × T 0.35: {first} "
+             f"{plateaus[first][0]:.3f}, {second} {plateaus[second][0]:.3f}, {shift:+.3f}), paired by seed:", "", "| arm | seeds | mean greedy pass@1, iterations 1-30 | final 16 × T 0.35 |",
+             "| --- | --- | --- | --- |"]
+    for arm in arms:
+        seeds = sorted(set(runs[first].get(arm, {})) & set(runs[second].get(arm, {})))
+        if not seeds:
+            continue
+        mean = {label: {s: sum(x for _, x in axis_curve(runs[label][arm][s], "iteration")[1:]) /
+                        len(axis_curve(runs[label][arm][s], "iteration")[1:]) for s in seeds} for label in starts}
+        final = {label: {s: json.loads((d / f"{arm}-s{s}" / "final.json").read_text())[PAPER_EVAL][0] for s in seeds}
+                 for label, d in starts.items()}
+        cells = [gap_cell([x[second][s] - x[first][s] for s in seeds]) for x in (mean, final)]
+        lines.append(f"| {arm} | {len(seeds)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -173,6 +219,9 @@ def report(out: Path, *, arms: dict[str, dict[str, list[str]]], settings: list[s
            pairs: list[tuple[str, str]] = PAIRS) -> str:
     """out/results.md, results.json and curves.png over the finished runs of each task's folder (arms: task -> its
     arms' train.py flags; pairs: the gaps (arm, base) to draw); returns results.md's text."""
+    if not arms:
+        raise SystemExit(f"error: {out}: no task folder with an SFT plateau (<task>/sft/plateau.json): nothing to "
+                         f"summarise")
     task_dirs = {task: out / task for task in arms}
     summaries = {task: task_summary(d, arms=arms[task], pairs=pairs) for task, d in task_dirs.items()}
     text = (f"RL settings: `{' '.join(settings)}`; arms per task: "

@@ -26,7 +26,7 @@ import torch
 
 from scripts.paper_regime import ARMS as REGIME_ARMS, PROMPTS, TASKS, adopt_runs, grid_choices, run_evaluated
 from scripts.plot import read_metrics
-from scripts.regime_report import report
+from scripts.regime_report import report, start_shift
 from scripts.testbed import SETTINGS, sft_digest
 
 OUT, REGIME = "runs/vines-where", "runs/paper-regime"  # defaults, outside git (committed: results/...)
@@ -108,7 +108,14 @@ def main():
     tasks = [t for t in TASKS if (out / t / "sft" / "plateau.json").exists()]
     chosen = {t: {**{a: REGIME_ARMS[a] for a in BASE}, **grid_arms(t, [a for a in ARMS if ARMS[a] or t in RESAMPLE])}
               for t in tasks}
-    print(report(out, settings=SETTINGS, arms=chosen, pairs=PAIRS))
+    text = report(out, settings=SETTINGS, arms=chosen, pairs=PAIRS)
+    shifts = [f"**{t}.** " + start_shift({"A": regime / t, "B": out / t}, arms=list(BASE)) for t in tasks
+              if (regime / t / "sft" / "plateau.json").exists()]  # the regime grid's start (A) against this one (B)
+    if shifts:
+        text += "\nThe start's effect: the same arms from the paper-regime grid's start (A) and this grid's (B).\n\n"
+        text += "\n\n".join(shifts) + "\n"
+        (out / "results.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_report_reads_the_paper_table_gaps_and_growth(tmp_path):
     easy = next(line for line in text.splitlines() if line.startswith("| easy | 0.500 ± 0.020"))  # the paper's table
     assert "| 0.610 ± 0.006 * (greedy 0.610) | 0.510 ± 0.006 (greedy 0.510) |" in easy
     assert "| easy | vine − grpo | +0.100 ± 0.000 (3) * |" in text and "| hard | vine − grpo | +0.200 ± 0.000 (3) * |" in text
-    assert "| vine − grpo | +0.100 ± 0.000 |" in text  # hard − easy per iteration
+    assert "| vine − grpo | +0.100 ± 0.000 * |" in text  # hard − easy per iteration, more than 2 SE from 0
     assert "| hard | vine | 0.50 | 0.50 | 0.20 | 0.10 | 0.080 | 16.0 |" in text
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["tasks"]["hard"]["sft_sha256"] == DIGEST and (tmp_path / "curves.png").stat().st_size > 0
@@ -220,3 +220,30 @@ def test_the_paper_table_lines_up_when_a_task_lacks_an_arm():
     assert table[0] == "| task | SFT plateau | vine-silent | vine |"
     assert table[1].split(" | ")[2:] == ["0.600 ± – (greedy 0.610)", "– |"]
     assert table[2].split(" | ")[2:] == ["0.600 ± – (greedy 0.610)", "0.600 ± – (greedy 0.610) |"]
+
+
+def test_start_shift_pairs_each_arm_by_seed_across_two_starts(tmp_path):
+    """start_shift: the second start's runs minus the first's, seed by seed, per iteration and on the final score,
+    with each start's plateau; runs bound to another start are not counted."""
+    other = "b" * 64
+    for label, digest, level, plateau in (("A", DIGEST, 0.5, 0.30), ("B", other, 0.6, 0.36)):
+        sft = tmp_path / label / "sft"
+        sft.mkdir(parents=True)
+        (sft / "model.sha256").write_text(digest + "\n")
+        (sft / "plateau.json").write_text(json.dumps({"test T 0.35 x 16": [plateau, 0.02]}))
+        for seed in range(3):
+            fake_run(tmp_path / label / f"vine-s{seed}", evals=[0.3] + [level + 0.01 * seed * (label == "B")] * 10,
+                     final=level + 0.02, start=digest)
+    fake_run(tmp_path / "B" / "grpo-s0", evals=[0.3] * 11, final=0.3, start=DIGEST)  # bound to A's start: skipped
+    text = regime_report.start_shift({"A": tmp_path / "A", "B": tmp_path / "B"}, arms=["vine", "grpo"])
+    assert "plateau 16 × T 0.35: A 0.300, B 0.360, +0.060" in text
+    assert "| vine | 3 | +0.110 ± 0.006 (3) * | +0.100 ± 0.000 (3) * |" in text and "| grpo |" not in text
+
+
+def test_sft_validation_reads_the_path_every_n_steps_and_the_last(tmp_path):
+    records = [{"iteration": i, "lr": 1e-3 * (1 - i / 250), **({"validation_accuracy": i / 1000} if i % 50 == 0 else {})}
+               for i in range(1, 251)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert regime_report.sft_validation(tmp_path, every=100) == [(100, 0.1, pytest.approx(6e-4)), (200, 0.2,
+                                                                 pytest.approx(2e-4)), (250, 0.25, 0.0)]
+    assert regime_report.sft_validation(tmp_path / "missing") == []

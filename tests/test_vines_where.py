@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from config import parse_config
+from conftest import REPO
 from scripts import vines_where
 from scripts.testbed import SETTINGS
 from tests.test_paper_regime import DIGEST, fake_run
@@ -91,3 +92,14 @@ def test_the_command_refuses_bad_values_in_one_line():
     for flags, message in ((["--task", "medium"], "unknown ['medium']"), (["--seeds", "0,x"], "--seeds takes")):
         result = subprocess.run([sys.executable, "-m", "scripts.vines_where", *flags], capture_output=True, text=True)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script", ["scripts.paper_regime", "scripts.vines_where"])
+def test_redraw_of_an_empty_folder_says_there_is_nothing_to_summarise(tmp_path, script):
+    out = tmp_path / "empty"
+    out.mkdir()
+    run = subprocess.run([sys.executable, "-m", script, "--redraw", "--out", str(out)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.strip() == (f"error: {out}: no task folder with an SFT plateau (<task>/sft/plateau.json): "
+                                  f"nothing to summarise")
