@@ -47,12 +47,16 @@ from model import load_model, load_tokenizer
 from rollout import evaluate
 from scripts.plot import mean_se, pm
 from scripts.regime_report import report
-from scripts.replicate import sft_stage, this_machine
+from scripts.replicate import ROOT, sft_stage, this_machine
 from scripts.testbed import SETTINGS, TASK, done_runs, run_grid, run_state, sft_digest
 
 OUT = "runs/paper-regime"  # the default output, ignored by git (the committed runs: --out results/paper-regime)
 TASKS = {"easy": ["--chain-bug", "borrow", "--chain-bug-rate", "0.7"],
          "hard": ["--chain-bug", "borrow-carry", "--chain-bug-rate", "0.7"]}
+STARTS = {**TASKS, "hard-c": [*TASKS["hard"], "--seed", "1"]}  # SFT flags of every start; C: the hard task, SFT seed 1
+SHIPPED = ROOT / "results" / "paper-regime"  # where the starts are committed: <task>/sft, weights and sha256
+START_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "model.sha256", "plateau.json", "metrics.jsonl")
 SFT_SETTINGS = [*TASK, "--model", "scratch", "--epochs", "15", "--batch-size", "64", "--micro-batch-size", "64",
                 "--lr", "3e-3", "--warmup-ratio", "0.05", "--max-length", "128", "--eval-size", "500",
                 "--eval-samples", "1", "--eval-temperature", "0", "--keep-best", "--stop-every", "100",
@@ -111,12 +115,29 @@ def plateau(model_dir: Path, *, seed: int = 0) -> dict:
     return result
 
 
-def calibrate(out: Path) -> str:
+def start_stage(out: Path, task: str, *, rebuild: bool = False) -> tuple[Path, str]:
+    """The task's SFT start in out/<task>/sft and its weights' sha256: the committed one (SHIPPED/<task>/sft) copied
+    in when its weights match its model.sha256 (an SFT does not rebuild bit for bit on another CPU kind), else, or with
+    `rebuild`, made by sft.py (sft_stage: once, resumed if cut off)."""
+    sft_dir, shipped = out / task / "sft", SHIPPED / task / "sft"
+    if not rebuild and not (sft_dir / "config.json").exists() and (shipped / "model.safetensors").exists():
+        if (digest := weights_sha256(shipped)) != sft_digest(shipped):
+            raise SystemExit(f"error: {shipped}: its weights' sha256 {digest[:12]}… is not its model.sha256 "
+                             f"{str(sft_digest(shipped))[:12]}…; restore it from git, or pass --rebuild-start")
+        sft_dir.mkdir(parents=True, exist_ok=True)
+        for name in START_FILES:
+            if (shipped / name).exists() and not (sft_dir / name).exists():
+                shutil.copy(shipped / name, sft_dir / name)
+    return sft_stage(out / task, settings=SFT_SETTINGS + STARTS[task])
+
+
+def calibrate(out: Path, *, tasks: list[str] = list(TASKS), rebuild: bool = False) -> str:
     """Each task's SFT (made once, resumed if cut off) and its plateau (measured once): calibration.md's table."""
     lines = ["| task | SFT demonstrations | best step (validation greedy pass@1) | "
              + " | ".join(PLATEAU) + " | sha256 |", "| --- " * (4 + len(PLATEAU)) + "|"]
-    for task, flags in TASKS.items():
-        sft_dir, digest = sft_stage(out / task, settings=SFT_SETTINGS + flags)
+    for task in tasks:
+        flags = STARTS[task]
+        sft_dir, digest = start_stage(out, task, rebuild=rebuild)
         measured = sft_dir / "plateau.json"
         if not measured.exists():
             measured.write_text(json.dumps({"sha256": digest, **plateau(sft_dir)}, indent=1))
@@ -137,8 +158,8 @@ def lift(out: Path, *, seeds: list[int], jobs: int, redraw: bool) -> str:
     over seeds, the mean greedy pass@1 over iterations 3-30 and at 30, each minus the run's iteration 0."""
     folders = {out / task / "lift": out / task / "sft" for task in TASKS}
     if not redraw:
-        for task, flags in TASKS.items():
-            sft_stage(out / task, settings=SFT_SETTINGS + flags)
+        for task in TASKS:
+            start_stage(out, task)
         run_grid([(folder, arm, seed) for seed in seeds for folder in folders for arm in LIFT_ARMS],
                  sft_dirs=folders, extras={folder: [] for folder in folders}, jobs=jobs, machine=this_machine(),
                  arms=LIFT_ARMS)
@@ -197,7 +218,7 @@ def grid(out: Path, *, tasks: list[str], arms: list[str], seeds: list[int], jobs
     """The grid: grid_arms (those chosen) from each task's SFT model (made first if missing), seed by seed, `jobs` at a
     time; the lift test's runs that a grid arm repeats are copied, not rerun (adopt_lift_runs); every finished run's
     last policy evaluated (final_eval). Returns the cells' folders."""
-    folders = {out / task: sft_stage(out / task, settings=SFT_SETTINGS + TASKS[task])[0] for task in tasks}
+    folders = {out / task: start_stage(out, task)[0] for task in tasks}
     for folder in folders:
         adopt_lift_runs(folder, seeds=seeds)
     cells = [(folder, arm, seed) for seed in seeds for folder in folders for arm in arms]
