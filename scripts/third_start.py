@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from scripts.paper_regime import ARMS as REGIME_ARMS, calibrate, grid_choices, matched_flags, matched_samples, \
-    run_evaluated, start_stage
+from scripts.paper_regime import ARMS as REGIME_ARMS, SFT_SETTINGS, STARTS, calibrate, grid_choices, matched_flags, \
+    matched_samples, run_evaluated, start_stage
 from scripts.plot import read_metrics
+from scripts.regime_report import sft_validation
 from scripts.vines_where import resample_count, resample_flags
 
 OUT, TASK = "runs/paper-regime", "hard-c"  # default output, outside git (committed: --out results/paper-regime)
@@ -95,8 +96,13 @@ def main():
                                   known_arms=ARMS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.calibrate:
-        return print(calibrate(out, tasks=[TASK], rebuild=args.rebuild_start))
+    if args.calibrate:  # the table, and the validation path (the read-out's sft_validation) under it
+        path = "\n".join(f"| {step} | {acc:.3f} | {lr:.1e} |" for step, acc, lr in sft_validation(out / TASK / "sft"))
+        text = (f"SFT: `sft.py {' '.join(SFT_SETTINGS)} {' '.join(STARTS[TASK])}`; plateau in fp32, top-p 0.9, 500 "
+                f"problems each.\n\n{calibrate(out, tasks=[TASK], rebuild=args.rebuild_start)}\n\nValidation path "
+                f"(greedy pass@1, 200 problems):\n\n| step | pass@1 | lr |\n| --- | --- | --- |\n{path}\n")
+        (out / "calibration-c.md").write_text(text)
+        return print(text)
     torch.set_num_threads(1)  # the final evaluations run here beside the other job
     grid(out, arms=arms, seeds=seeds, jobs=args.jobs)
 
