@@ -1,6 +1,6 @@
 """Subnormal floats on a CPU: how many a trained run's AdamW state holds, and what they cost the PPO section.
 
-    python -m bench.denormals --checkpoint results/pipeline/grpo-s2/ckpt-000019      (about 3 minutes on 2 cores)
+    python -m bench.denormals --checkpoint research/replication/results/pipeline/grpo-s2/ckpt-000019      (about 3 minutes on 2 cores)
 
 A float32 below 1.2e-38 is subnormal; x86 cores compute with one far slower than with a normal number unless
 flush-to-zero is on (torch.set_flush_denormal(True), off by default); GPUs take them at full speed. AdamW's second

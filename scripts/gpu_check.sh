@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue 28): the CUDA path of this project measured on a real GPU (docs/cuda.md).
+# One prepared GPU check: the CUDA path of this project measured on a real GPU (docs/cuda.md).
 #
 #   bash scripts/prepare_gpu_check.sh              # first, here: fills .gpu_check/ (ignored by git, ~13 MB)
 #   bash scripts/gpu_check.sh                      # on the GPU machine, from the checkout

@@ -1,6 +1,6 @@
 """Curves from one or more runs' metrics.jsonl: train reward, test accuracy, KL to the reference and tokens/s,
 against iteration (top row) and against training wall-clock (bottom row). And, for a grid of estimators x seeds
-(scripts/replicate.py), pass@1 against training wall-clock as mean +- standard error over seeds, with a summary table.
+(research/replication/replicate.py), pass@1 against training wall-clock as mean +- standard error over seeds, with a summary table.
 
     python -m scripts.plot runs/arith-vine-k9-s0/metrics.jsonl runs/arith-grpo-k9-s0/metrics.jsonl --out curves.png
 """

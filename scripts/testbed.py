@@ -4,7 +4,7 @@ the paper's batch size, through the same train.py as the real runs.
     python -m scripts.testbed                        SFT, then one seed of each of DEFAULT's arms (18 min, 2 cores)
     python -m scripts.testbed --seeds 0,1,2,3,4      the grid (restartable: finished runs are skipped)
     python -m scripts.testbed --redraw               only the summary and the pictures from the finished runs
-    python -m scripts.testbed --out results/testbed  the committed reference grid (default runs/testbed: outside git)
+    python -m scripts.testbed --out research/testbed/results/testbed  the committed reference grid (default runs/testbed: outside git)
 
 1. SFT (sft.py SFT_SETTINGS, once, into OUT/sft): a 1M-parameter Llama with a character tokenizer, from random
    weights, on `chain` (arith's problems written compactly: "13 *3 -3 -30 -4" -> "13*3=39\\n...\\n####2"), stopped
@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from scripts.plot import mean_se, plot_bands, pm, read_metrics, summarize_grid, summary_markdown
-from scripts.replicate import ESTIMATORS, describe, record_machine, sft_stage, summarize, table, this_machine
+from research.grid import ESTIMATORS, describe, record_machine, sft_stage, this_machine
+from research.replication.replicate import summarize, table
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train.py and sft.py run from there
 TASK = ["--dataset", "chain", "--arith-ops", "4", "--prompt-format", "plain", "--threads", "1", "--max-new-tokens",
@@ -41,14 +42,14 @@ SFT_SETTINGS = [*TASK, "--model", "scratch", "--max-steps", "300", "--batch-size
                 "--lr", "3e-3", "--warmup-ratio", "0.33", "--no-lr-decay", "--max-length", "128", "--eval-size", "500",
                 "--eval-samples", "1", "--eval-temperature", "0"]
 # 300 steps of 64 at a constant 3e-3 after 100 warmup steps: greedy pass@1 ~0.54, first errors spread over the four
-# lines. A run decayed to 0 over 300 steps reached ~0.48 but RL did not move it (docs/testbed.md: the sweep).
+# lines. A run decayed to 0 over 300 steps reached ~0.48 but RL did not move it (research/testbed/README.md: the sweep).
 ITERATIONS, EVAL_EVERY = 30, 3
 THRESHOLD = 0.7  # pass@1 whose time to reach the summary reports (the SFT start: ~0.54)
 OUT = "runs/testbed"  # the default output, ignored by git; the committed grid is written only when --out names it
 # the committed 5-seed grids from this SFT recipe a newcomer's run is placed beside: every estimator, and the
 # free-sample grid (vine-free and the separate critic)
-REFERENCES = ("results/testbed", "results/free-samples")
-ARMS = {**ESTIMATORS, "vine-free": ["--estimator", "vine", "--free-samples", "topup"]}  # docs/free-samples.md
+REFERENCES = ("research/testbed/results/testbed", "research/free_samples/results/free-samples")
+ARMS = {**ESTIMATORS, "vine-free": ["--estimator", "vine", "--free-samples", "topup"]}  # research/free_samples/README.md
 DEFAULT = ["vine", "vine-free", "critic-separate", "grpo", "rloo"]  # the one command's arms, the longest first
 SETTINGS = [*TASK, "--prompts-per-iter", "64", "--samples-per-prompt", "8", "--minibatch-size", "64",
             "--micro-batch-size", "32", "--epochs", "1", "--lr", "5e-5", "--value-lr", "1e-3", "--no-lr-decay",
@@ -76,7 +77,7 @@ def run_state(run_dir: Path, *, start: str | None = None) -> str:
 
 def command(estimator: str, seed: int, *, out: Path, sft_dir: Path, extra: list[str],
             arms: dict[str, list[str]] = ESTIMATORS) -> list[str]:
-    """train.py's command line for one cell; arms: each arm's flags (the estimators, or scripts.branching's rules)."""
+    """train.py's command line for one cell; arms: each arm's flags (the estimators, or research.branching.branching's rules)."""
     run_dir = out / f"{estimator}-s{seed}"
     return [sys.executable, "train.py", *SETTINGS, *arms[estimator], "--model", str(sft_dir), "--seed",
             str(seed), "--out-dir", str(run_dir), "--resume" if run_state(run_dir) == "resume" else "--overwrite",
@@ -295,7 +296,7 @@ def runs_table(folder: Path) -> str:
 
 def grid_arguments(parser: argparse.ArgumentParser, *, arm: str, arms: dict[str, list[str]], out: str,
                    default: list[str] | None = None):
-    """The flags of a testbed grid (this one, scripts.branching's): --seeds, --<arm>s (which arms; default: `default`,
+    """The flags of a testbed grid (this one, research.branching.branching's): --seeds, --<arm>s (which arms; default: `default`,
     else all), --jobs, --out, --redraw; anything else goes to train.py."""
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument(f"--{arm}s", default=",".join(default or arms),
@@ -307,7 +308,7 @@ def grid_arguments(parser: argparse.ArgumentParser, *, arm: str, arms: dict[str,
 
 
 def truth_arguments(parser: argparse.ArgumentParser, *, mode: str):
-    """The flags of a value diagnosis against a many-vine truth (scripts.credit --diagnose, scripts.free_samples
+    """The flags of a value diagnosis against a many-vine truth (research.credit.credit --diagnose, research.free_samples.free_samples
     --values): --prompts (groups of 8 responses) and --truth (vines per state); check them with truth_choices."""
     parser.add_argument("--prompts", type=int, default=24, help=f"--{mode}: train problems, 8 responses each")
     parser.add_argument("--truth", type=int, default=256, help=f"--{mode}: vines per state for the true value")

@@ -49,7 +49,7 @@ TIMING = ("seconds", "mem_gb", "tokens_per_s", "train_seconds", "comm_bytes")  #
 
 def machine_kind() -> str:
     import torch
-    from scripts.replicate import this_machine
+    from research.grid import this_machine
     m = this_machine()
     return f"{m['cpu']} | bf16 units: {'+'.join(m['bf16_units']) or 'none'} | torch {torch.__version__}"
 

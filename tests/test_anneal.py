@@ -1,4 +1,4 @@
-"""scripts.anneal (issue 45's starts and grid) and scripts.anneal_probes: the tails' schedules, the checkpoint copy a
+"""research.anneal.anneal (the anneal study's starts and grid) and research.anneal.anneal_probes: the tails' schedules, the checkpoint copy a
 tail resumes from, the probes' pure parts and a probe end to end on a tiny model, the summary's pairing."""
 import json
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ppo import lr_factor
-from scripts import anneal, anneal_probes
+from research.anneal import anneal, anneal_probes
 from sft import parse_sft_config
 
 

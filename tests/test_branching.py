@@ -1,5 +1,5 @@
 """Where the vines branch (--step-split): the text rule, tokens:N, lowprob:P and entropy:F of values.step_token_starts,
-the config's one-line errors, the tracker's view of the steps used, and scripts/branching.py's arms and budget table."""
+the config's one-line errors, the tracker's view of the steps used, and research/branching/branching.py's arms and budget table."""
 import json
 import math
 
@@ -90,7 +90,7 @@ def test_tracker_shows_the_steps_the_vines_used():
 
 
 def test_branching_arms_and_budget_table(tmp_path):
-    from scripts.branching import RULES, budget_table
+    from research.branching.branching import RULES, budget_table
     from scripts.testbed import ITERATIONS, done_runs, iteration_table
     splits = [flags[flags.index("--step-split") + 1] for flags in RULES.values()]
     assert splits == ["auto", "tokens:10", "lowprob:0.9", "entropy:0.2", "lowprob:0.9"]
@@ -139,7 +139,7 @@ def test_entropy_pass_gives_the_update_the_same_old_logprobs(tmp_path):
 
 
 def test_cut_kind_names_where_a_chain_cut_falls():
-    from scripts.branching import cut_kind
+    from research.branching.branching import cut_kind
     text = "13*3=39\n39-3=36\n####36"
     kinds = [cut_kind(text, t) for t in range(len(text))]
     assert kinds[0] == kinds[8] == "line start" and kinds[5] == kinds[13] == "result's first char"
@@ -153,6 +153,6 @@ def test_branching_flags_bad_values_are_one_line(tmp_path):
     for args, message in ((["--rules", "lines,spo"], "error: --rules: unknown ['spo']"),
                           (["--seeds", "1,"], "error: --seeds: expected comma-separated non-negative integers"),
                           (["--jobs", "0"], "error: --jobs must be at least 1 (got 0)")):
-        run = subprocess.run([sys.executable, "-m", "scripts.branching", "--out", str(tmp_path), *args],
+        run = subprocess.run([sys.executable, "-m", "research.branching.branching", "--out", str(tmp_path), *args],
                              cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
         assert run.returncode == 1 and run.stderr.strip().startswith(message) and len(run.stderr.strip().splitlines()) == 1

@@ -39,7 +39,7 @@ def one_error_line(argv, capsys) -> str:
                               "--dataset gsm8k)"),
     (["--dataset", "chain", "--chain-filler", "-1"], "--chain-filler takes 0 or more filler lines, with --dataset "
                                                      "chain only (got -1 with --dataset chain)"),
-    # issue 60: topup with a reward-driven stopping rule is biased; free samples without vines do nothing
+    # free samples: topup with a reward-driven stopping rule is biased; free samples without vines do nothing
     *[(["--free-samples", "topup", "--k-mode", mode],
        f"--free-samples topup takes --k-mode fixed only (got {mode}): with adaptive or official K, how many vines a "
        "state gets would depend on the rewards of the responses whose values they set (a bias, "
@@ -51,7 +51,7 @@ def one_error_line(argv, capsys) -> str:
     (["--free-samples", "topup", "--estimator", "critic"],
      "--free-samples topup feeds vines, which --estimator critic does not sample: drop it, or use "
      "--estimator vine"),
-    # issue 61: vines where the group is silent, and its comparator
+    # vines where the group is silent, and its comparator
     (["--vines-where", "silent", "--estimator", "rloo"],
      "--vines-where silent says where to sample vines, which --estimator rloo does not sample: drop it, or use "
      "--estimator vine"),

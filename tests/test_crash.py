@@ -172,7 +172,7 @@ SILENT_ARMS = {"grpo-resample": ["--estimator", "grpo", "--resample-silent", "2"
 @pytest.mark.slow  # end to end: real train.py processes
 @pytest.mark.parametrize("arm", SILENT_ARMS)
 def test_kill_after_a_silent_groups_update_then_resume_exactly(tmp_path, scratch, arm):
-    """docs/vines-where.md's two arms: SIGKILL after iteration 2's update (grpo-resample: its silent groups' fresh
+    """research/vines_where/README.md's two arms: SIGKILL after iteration 2's update (grpo-resample: its silent groups' fresh
     responses sampled and trained on in a grown minibatch; vine-silent: vines only in the silent groups), then
     --resume: each iteration's metrics once, each as an uninterrupted run's, silent groups among them."""
     # 16 groups: at ~8 in 10 right, some group has contrast in every iteration, so every update moves the policy

@@ -1,4 +1,4 @@
-"""The credit grid (scripts/credit.py): its settings and plan, the paired slopes, and the sign-accuracy diagnostic."""
+"""The credit grid (research/credit/credit.py): its settings and plan, the paired slopes, and the sign-accuracy diagnostic."""
 import json
 import math
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from advantages import gae, step_rewards
-from scripts import credit
+from research.credit import credit
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -111,7 +111,7 @@ def test_credit_flags_bad_values_are_one_line(tmp_path):
     for args, message in ((["--settings", "chain-L3"], "error: --settings: unknown ['chain-L3']"),
                           (["--arms", "ppo"], "error: --arms: unknown ['ppo']"),
                           (["--diagnose", "--truth", "0"], "error: --truth must be at least 1 (got 0)")):
-        run = subprocess.run([sys.executable, "-m", "scripts.credit", "--out", str(tmp_path), *args], cwd=REPO,
+        run = subprocess.run([sys.executable, "-m", "research.credit.credit", "--out", str(tmp_path), *args], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 1 and run.stderr.strip().startswith(message) and len(run.stderr.strip().splitlines()) == 1
     assert credit.OUT.startswith("runs/")

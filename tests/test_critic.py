@@ -52,7 +52,7 @@ def abs_sum(module) -> float:
 
 
 def test_critic_head_is_the_code_path_from_before_the_separate_critic():
-    """--critic head: one iteration's value mean, losses and weights as the code before issue 58 gave them (captured
+    """--critic head: one iteration's value mean, losses and weights as the code before the separate critic gave them (captured
     at commit c5f4854 on an AMD EPYC with this very setup; fp32 on one thread, so within 1e-6 on another CPU)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The paper-regime grid's pieces (scripts.paper_regime, scripts.regime_report): grpo-matched's sample accounting,
+"""The paper-regime grid's pieces (research.paper_regime.paper_regime, research.paper_regime.regime_report): grpo-matched's sample accounting,
 the paper-style evaluation of a run's last policy, the lift runs a grid arm adopts, and the paired read-out."""
 import hashlib
 import json
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from config import parse_config
-from scripts import paper_regime, regime_report
-from scripts.paper_regime import ARMS, grid_arms, matched_flags, matched_samples
+from research.paper_regime import paper_regime, regime_report
+from research.paper_regime.paper_regime import ARMS, grid_arms, matched_flags, matched_samples
 from scripts.testbed import SETTINGS
 
 DIGEST = "ab" * 32
@@ -176,7 +176,7 @@ def test_the_grid_command_refuses_an_unknown_task_or_arm():
     import sys
     from conftest import REPO
     for flag in (["--task", "medium"], ["--arms", "vine,ppo"]):
-        out = subprocess.run([sys.executable, "-m", "scripts.paper_regime", *flag, "--redraw"], cwd=REPO,
+        out = subprocess.run([sys.executable, "-m", "research.paper_regime.paper_regime", *flag, "--redraw"], cwd=REPO,
                              capture_output=True, text=True)
         assert out.returncode == 2 and "unknown" in out.stderr.strip().splitlines()[-1]
 

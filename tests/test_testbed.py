@@ -140,7 +140,7 @@ def test_testbed_flags_bad_values_are_one_line(tmp_path):
         run = subprocess.run([sys.executable, "-m", "scripts.testbed", "--out", str(tmp_path), *args], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 1 and run.stderr.strip().startswith(message) and len(run.stderr.strip().splitlines()) == 1
-    run = subprocess.run([sys.executable, "-m", "scripts.free_samples", "--out", str(tmp_path), "--values",
+    run = subprocess.run([sys.executable, "-m", "research.free_samples.free_samples", "--out", str(tmp_path), "--values",
                           "--prompts", "0"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stderr.strip() == "error: --prompts must be at least 1 (got 0)"
 
@@ -233,12 +233,13 @@ def test_a_grid_never_reuses_runs_made_from_another_sft_model(tmp_path, monkeypa
     assert "Left out, made from another SFT model: grpo-s0, rloo-s0." in text and "| vine | 1 |" in text
     assert "| grpo |" not in text and "± 0.000" not in text  # one seed: no "± 0.000" as an SE
     assert mine.splitlines()[4] == "| vine-s0 | 0.500 | 0.800 | +0.300 ± 0.020 | 5.2 | 10.0 |"
-    assert "Reference grid (results/testbed, 5 seeds" in mine and "another SFT model (fbaef8613d93" in mine
+    assert "Reference grid (research/testbed/results/testbed, 5 seeds" in mine and "another SFT model (fbaef8613d93" in mine
 
 
 def test_the_grids_write_outside_git_by_default():
     """README's commands leave `git status` clean: the grids' default folders are under runs/, which .gitignore lists."""
-    from scripts import branching, testbed
+    from research.branching import branching
+    from scripts import testbed
     assert testbed.OUT == "runs/testbed" and branching.OUT == "runs/branching" and branching.TESTBED == testbed.OUT
     assert "runs/" in (REPO / ".gitignore").read_text().splitlines()
 
@@ -246,7 +247,8 @@ def test_the_grids_write_outside_git_by_default():
 def test_machine_json_keeps_the_first_machine_and_appends_each_resume(tmp_path):
     """A run's machine.json names the machine it started on; a resume appends its own (with the checkpoint it went on
     from) instead of overwriting it, and a block's machine is still the first run's."""
-    from scripts.replicate import record_machine, seed_machine
+    from research.grid import record_machine
+    from research.replication.replicate import seed_machine
     run = tmp_path / "vine-s0"
     run.mkdir()
     record_machine(run, {"cpu": "AMD EPYC", "jobs": 2}, resuming=False)
@@ -261,9 +263,9 @@ def test_machine_json_keeps_the_first_machine_and_appends_each_resume(tmp_path):
 
 
 def test_paper_regime_lift_summary_says_lifted_only_above_two_se(tmp_path):
-    """scripts.paper_regime --lift --redraw: per task and arm, the mean over seeds of (mean pass@1 over iterations
+    """research.paper_regime.paper_regime --lift --redraw: per task and arm, the mean over seeds of (mean pass@1 over iterations
     3-30 − the run's iteration 0), and 'yes' only where that exceeds 2 SE; runs from another start are not counted."""
-    from scripts.paper_regime import lift
+    from research.paper_regime.paper_regime import lift
     digest = "ab" * 32
     gains = {"grpo-lr5e-5": [0.05, 0.06, 0.07], "vine-lr5e-5": [0.05, -0.04, 0.01]}
     for task in ("easy", "hard"):

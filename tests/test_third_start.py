@@ -1,4 +1,4 @@
-"""The third start (scripts.third_start): a committed start used when its digest matches, the two matched arms
+"""The third start (research.paper_regime.third_start): a committed start used when its digest matches, the two matched arms
 measured from seed 0's runs, and their flags."""
 import hashlib
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from config import parse_config
-from scripts import paper_regime, third_start
+from research.paper_regime import paper_regime, third_start
 from scripts.testbed import SETTINGS
 from tests.test_paper_regime import fake_run
 

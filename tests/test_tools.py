@@ -174,7 +174,7 @@ def test_bands_on_iterations_and_the_reward_view(tmp_path):
 
 
 def test_replicate_summarize_one_run_by_hand():
-    from scripts.replicate import summarize
+    from research.replication.replicate import summarize
     records = [{"iteration": 0, "eval_accuracy": 0.5, "eval_se": 0.02, "seconds_eval": 30.0},
                {"iteration": 1, "train_seconds": 40.0, "seconds": 40.0, "reward_mean": 0.2},
                {"iteration": 2, "train_seconds": 80.0, "seconds": 70.0, "reward_mean": 0.6, "eval_accuracy": 0.4,
@@ -187,7 +187,7 @@ def test_replicate_summarize_one_run_by_hand():
 
 
 def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
-    from scripts.replicate import run_state
+    from research.replication.replicate import run_state
     run_dir = tmp_path / "vine-s0"
     assert run_state(run_dir, budget=600) == "fresh"  # nothing there
     run_dir.mkdir()
@@ -203,7 +203,8 @@ def test_replicate_skips_finished_runs_and_resumes_cut_ones(tmp_path):
 
 
 def test_replicate_pipeline_summary_and_blocks_keyed_by_the_sft_model(tmp_path):
-    from scripts.replicate import describe, sft_summary
+    from research.grid import describe
+    from research.replication.replicate import sft_summary
     assert sft_summary(tmp_path) == "SFT stage: no metrics here.\n"
     records = [{"iteration": 0, "eval_accuracy": 0.01}, {"iteration": 1, "loss": 0.5, "train_seconds": 60.0},
                {"iteration": 2, "loss": 0.1, "train_seconds": 120.0, "eval_accuracy": 0.6,
@@ -218,7 +219,8 @@ def test_replicate_pipeline_summary_and_blocks_keyed_by_the_sft_model(tmp_path):
 
 
 def test_replicate_pipeline_refuses_an_sft_stage_of_the_other_schedule(tmp_path):
-    from scripts.replicate import SFT_SETTINGS, ended_decayed, sft_stage
+    from research.grid import ended_decayed, sft_stage
+    from research.replication.replicate import SFT_SETTINGS
     sft = tmp_path / "sft"
     sft.mkdir()
     metrics = sft / "metrics.jsonl"
@@ -237,7 +239,7 @@ def test_replicate_pipeline_refuses_an_sft_stage_of_the_other_schedule(tmp_path)
 
 
 def test_replicate_extras_use_a_run_that_still_has_its_checkpoint(tmp_path):
-    from scripts.replicate import latest_checkpoint
+    from research.replication.replicate import latest_checkpoint
     runs = [tmp_path / f"critic-s{seed}" for seed in range(3)]
     for run_dir in runs:
         run_dir.mkdir()
@@ -248,7 +250,8 @@ def test_replicate_extras_use_a_run_that_still_has_its_checkpoint(tmp_path):
 
 
 def test_replicate_keeps_each_seed_on_one_machine(tmp_path):
-    from scripts.replicate import run, seed_machine, this_machine
+    from research.grid import this_machine
+    from research.replication.replicate import run, seed_machine
     here = this_machine()
     other = {**here, "bf16_units": ["amx_bf16"] if not here["bf16_units"] else [], "dtype": "other"}
     assert seed_machine(tmp_path, 1) is None  # a new seed: its block goes to whichever machine starts it
@@ -261,7 +264,7 @@ def test_replicate_keeps_each_seed_on_one_machine(tmp_path):
 
 
 def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path, monkeypatch):
-    from scripts import replicate
+    from research.replication import replicate
     done, cut = tmp_path / "vine-s0", tmp_path / "critic-s0"
     for run_dir, minutes in ((done, 10), (cut, 4)):
         run_dir.mkdir()
@@ -277,7 +280,7 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
     assert replicate.block_seeds(tmp_path) == [5]
     monkeypatch.setattr(replicate, "run", lambda *a, **k: pytest.fail(f"--redraw started the run {a}"))
     monkeypatch.setattr(replicate.subprocess, "run", lambda cmd, **k: pytest.fail(f"--redraw ran {cmd}"))  # --extras
-    monkeypatch.setattr("sys.argv", ["scripts/replicate.py", "--budget", "600", "--seeds", "0", "--estimators", "vine,critic",
+    monkeypatch.setattr("sys.argv", ["research/replication/replicate.py", "--budget", "600", "--seeds", "0", "--estimators", "vine,critic",
                                      "--out", str(tmp_path), "--redraw"])
     replicate.main()
     results = (tmp_path / "results.md").read_text()
@@ -287,8 +290,8 @@ def test_replicate_redraw_runs_nothing_and_summarizes_the_finished_runs(tmp_path
 
 
 def test_replicate_bad_seeds_is_a_one_line_error(tmp_path, monkeypatch):
-    from scripts import replicate
-    monkeypatch.setattr("sys.argv", ["scripts/replicate.py", "--seeds", "0,x", "--out", str(tmp_path), "--redraw"])
+    from research.replication import replicate
+    monkeypatch.setattr("sys.argv", ["research/replication/replicate.py", "--seeds", "0,x", "--out", str(tmp_path), "--redraw"])
     with pytest.raises(SystemExit, match="--seeds: expected comma-separated non-negative integers, got '0,x'"):
         replicate.main()
 

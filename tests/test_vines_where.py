@@ -1,4 +1,4 @@
-"""Issue 61's grid (scripts.vines_where): M from a vine-silent run's tokens, the arms' flags, each task folder bound to
+"""Issue 61's grid (research.vines_where.vines_where): M from a vine-silent run's tokens, the arms' flags, each task folder bound to
 the paper-regime grid's start, and the paired read-out of the four pairs."""
 import json
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 
 from config import parse_config
 from conftest import REPO
-from scripts import vines_where
+from research.vines_where import vines_where
 from scripts.testbed import SETTINGS
 from tests.test_paper_regime import DIGEST, fake_run
 
@@ -66,7 +66,7 @@ def test_task_folder_binds_to_the_regime_start_and_copies_its_base_runs(tmp_path
 def test_report_pairs_vine_silent_with_its_comparators(tmp_path):
     """results.md has vine-silent − grpo-resample (and − grpo, − vine) paired by seed, and the silent groups of
     grpo-resample as sampled (before its fresh responses) with the share its fresh responses gave contrast."""
-    from scripts.regime_report import report
+    from research.paper_regime.regime_report import report
     sft = tmp_path / "easy" / "sft"
     sft.mkdir(parents=True)
     (sft / "model.sha256").write_text(DIGEST + "\n")
@@ -90,11 +90,11 @@ def test_report_pairs_vine_silent_with_its_comparators(tmp_path):
 
 def test_the_command_refuses_bad_values_in_one_line():
     for flags, message in ((["--task", "medium"], "unknown ['medium']"), (["--seeds", "0,x"], "--seeds takes")):
-        result = subprocess.run([sys.executable, "-m", "scripts.vines_where", *flags], capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-m", "research.vines_where.vines_where", *flags], capture_output=True, text=True)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("script", ["scripts.paper_regime", "scripts.vines_where"])
+@pytest.mark.parametrize("script", ["research.paper_regime.paper_regime", "research.vines_where.vines_where"])
 def test_redraw_of_an_empty_folder_says_there_is_nothing_to_summarise(tmp_path, script):
     out = tmp_path / "empty"
     out.mkdir()
