@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import dist
+from ablations.silent_groups import resample_silent
 from advantages import advantages_for, values_for
 from checkpoint import Saver, load_value_head, open_run, record_start, repair_metrics, restore
 from config import Config, config_changes, parse_config
@@ -24,7 +25,7 @@ from grader import grade
 from model import (Scorer, load_model, load_tokenizer, max_positions, new_value_head, pick_device, pick_dtype,
                    resolve_model)
 from ppo import micro_batches, pad_episodes, policy_optimizer, policy_update
-from rollout import evaluation, make_sampler, open_engine, resample_silent, rollouts
+from rollout import evaluation, make_sampler, open_engine, rollouts
 from runlog import (Clock, GracefulStop, Meter, RunLog, due, iteration_record, pause_point, return_free_memory,
                     stop_after_interrupt)
 from sampling import row_seed

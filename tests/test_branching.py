@@ -9,7 +9,8 @@ import torch
 from config import step_split_problem
 from runlog import response_steps
 from model import char_tokenizer
-from values import spread, step_token_starts, text_step_starts
+from ablations.branching import spread
+from values import step_token_starts, text_step_starts
 
 TEXT = "13*3=39\n39-3=36\n36-30=6\n####6"  # 29 characters = tokens; three steps (the answer line joins the last)
 TOKENIZER = char_tokenizer("0123456789+-*=#\n")
