@@ -10,6 +10,7 @@ Peak memory on a CPU is the process's resident high-water mark (VmHWM in /proc/s
 each section by writing 5 to /proc/self/clear_refs (Linux); elsewhere it is the run's peak so far. On CUDA it is
 torch's peak of allocated memory, reset the same way.
 """
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -64,7 +65,8 @@ def return_free_memory():
 
 
 class Meter:
-    """Seconds and peak memory of the sections of one iteration: start(), then stop("name") at the section's end."""
+    """Seconds and peak memory of the sections of one iteration: `with meter.section("name"):` around each (or
+    start(), then stop("name") at the section's end)."""
 
     def __init__(self, device: torch.device):
         self.device, self.seconds, self.memory, self.began = device, {}, {}, time.perf_counter()
@@ -76,6 +78,13 @@ class Meter:
     def stop(self, name: str):
         self.seconds[name] = time.perf_counter() - self.began
         self.memory[name] = peak_memory_gb(self.device)
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        """`with meter.section("rollout"):` start() before the block, stop("rollout") after it."""
+        self.start()
+        yield
+        self.stop(name)
 
     def record(self) -> dict:
         """seconds_<section> and mem_gb_<section> for the metrics line, and mem_gb: the iteration's peak."""
