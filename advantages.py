@@ -22,6 +22,7 @@ import dist
 from ablations import free_samples
 from ablations.branching import policy_entropies
 from ablations.silent_groups import silent_advantages, vine_responses
+from ablations.vine_temperature import vine_temperature
 from critic import critic_values
 from ppo import batch_logprobs, pad_rows
 from values import estimate_values, step_token_starts, token_step_index
@@ -103,7 +104,8 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
     critic's forward (`critic`, critic.SeparateCritic) or with --critic head from the policy's forward pass that gives
     the old log-probs (kept in `batch` for the update). grpo / rloo: no values. The ablations each join at one line
     here: --step-split entropy:F (ablations/branching.py), --vines-where silent (ablations/silent_groups.py: the
-    responses without vines get None), --free-samples (ablations/free_samples.py).
+    responses without vines get None), --free-samples (ablations/free_samples.py), --vine-temperature
+    (ablations/vine_temperature.py).
     Returns (values, step starts (vine) or None, stats for the metrics line)."""
     if estimator == "vine":
         entropies = [None] * len(episodes.samples)
@@ -119,11 +121,14 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
         estimate = estimate_values
         if cfg.free_samples != "off":  # the group's own responses as samples of a state's value too
             estimate = partial(free_samples.estimate_values, free_samples=cfg.free_samples)
+        temperature = cfg.temperature  # the paper: vines at the rollouts' temperature
+        if cfg.vine_temperature != 0:  # vines at a temperature of their own
+            temperature = vine_temperature(rollout=cfg.temperature, vine=cfg.vine_temperature)
         pick = lambda items: [items[i] for i in vined]  # noqa: E731
         estimated, stats = estimate(
             sampler=sampler, prompts=pick(episodes.prompts), responses=pick(episodes.responses),
             step_starts=pick(starts), rewards=pick(rewards), answers=pick(episodes.answers), grader=cfg.grader,
-            K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            K=cfg.k, temperature=temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             max_value_steps=cfg.max_value_steps or None, seed=seed, k_mode=cfg.k_mode, k_round=cfg.k_round,
             k_max=cfg.k_max, k_ci=cfg.k_ci)
         values = [None] * len(starts)  # None: a response without vines (--vines-where silent)

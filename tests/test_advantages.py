@@ -187,3 +187,14 @@ def test_vines_where_silent_gives_vines_where_the_others_agree_and_grpo_elsewher
                                        sampler=None, scorer=None, tokenizer=None, cfg=vines_where_cfg("all"), seed=0)
     assert asked == [rewards] and None not in values
 
+
+
+def test_vine_temperature_is_the_rollouts_unless_set():
+    """--vine-temperature: 0 keeps the paper's (the rollouts' temperature); a value above 0 replaces it; below 0 is
+    refused at parse time."""
+    from ablations.vine_temperature import vine_temperature
+    from config import parse_config
+    assert vine_temperature(rollout=0.6, vine=0.0) == 0.6 and vine_temperature(rollout=0.6, vine=0.3) == 0.3
+    assert parse_config(["--device", "cpu"]).vine_temperature == 0.0
+    with pytest.raises(SystemExit):
+        parse_config(["--device", "cpu", "--vine-temperature", "-1"])
