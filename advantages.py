@@ -9,22 +9,22 @@ The baselines of the paper's comparison, all feeding the same PPO update (`--est
     grpo:   one advantage per response, (r - mean) / std over the prompt's group  -> group_baseline_advantages
     rloo:   one advantage per response, r minus the mean of the group's others    -> group_baseline_advantages
 
---vines-where silent (docs/vines-where.md): vines only for the responses whose group's others all agree (vine_responses:
-every response of a silent group, and the one response that differs from all the others), their step advantages put
-in grpo's units (in_group_units); the other responses take grpo's.
-
 Sections 4 and 5 of train.py are `values_for` and `advantages_for`: the only places that branch on --estimator.
 
 Shapes: T = steps of one response, L = tokens of one response, N = all response tokens of a batch, B = responses of a
 batch, R = response columns (right-padded).
 """
-from collections import Counter
+from functools import partial
 
 import torch
 
 import dist
+from ablations import free_samples
+from ablations.branching import policy_entropies
+from ablations.silent_groups import silent_advantages, vine_responses
+from ablations.vine_temperature import vine_temperature
 from critic import critic_values
-from ppo import batch_logprobs, pad_rows, score_batch
+from ppo import batch_logprobs, pad_rows
 from values import estimate_values, step_token_starts, token_step_index
 
 
@@ -88,35 +88,6 @@ def group_baseline_advantages(*, rewards: list[float], groups: list[int], length
     return out
 
 
-def vine_responses(*, rewards: list[float], groups: list[int]) -> list[bool]:
-    """--vines-where silent: whether each response gets vines, decided on the *other* responses of its group
-    (groups[i] names its prompt): yes where they all got one reward (every response of a silent group, and a
-    response that alone differs from all the others), no where they differ among themselves. Its own reward plays no
-    part, so it cannot select its credit. Deciding on the whole group, its own reward included, vines a response only
-    when the others happen to match it, which weights its vine credit by that chance (on a hard prompt a wrong
-    response's far more than a right one's) and tilts the expected update off the policy gradient
-    (tests/test_advantages.py: the exact toy)."""
-    counts = {}
-    for g, r in zip(groups, rewards):
-        counts.setdefault(g, Counter())[r] += 1
-    return [len(counts[g]) - (counts[g][r] == 1) <= 1 for g, r in zip(groups, rewards)]
-
-
-def in_group_units(advantages: list[torch.Tensor], *, prompt_values: list[float], K: int) -> list[torch.Tensor]:
-    """--vines-where silent: vined responses' step advantages in grpo's units. grpo divides r - mean by the sd of its
-    group's outcomes (torch.std, Bessel-corrected over the group's n); here each response's advantages are divided by
-    the population sd of a Bernoulli(p), sqrt(p (1 - p)) + 1e-4, p its prompt state's MC value (its vines are fresh
-    samples, independent of the response, so the division only reweights prompts and keeps the update unbiased),
-    held at least half a vine from 0 and 1 (p in [1 / 2K, 1 - 1 / 2K]) so that a prompt whose K vines all agreed is
-    not divided by ~0. For n = 8 the two sds differ by sqrt(8 / 7) = 1.07. Applied before the batch whitening: a
-    response whose vines found no contrast (all its values equal its reward) keeps advantages of 0 until then."""
-    out = []
-    for a, p in zip(advantages, prompt_values):
-        p = min(max(p, 1 / (2 * K)), 1 - 1 / (2 * K))
-        out.append(a / ((p * (1 - p)) ** 0.5 + 1e-4))
-    return out
-
-
 def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
     """Normalise all response tokens of the batch together to mean 0, std 1 (under torchrun: of the global batch)."""
     flat = torch.cat(advantages).double()  # (N,)
@@ -128,32 +99,39 @@ def whiten(advantages: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P: int, micro: list, sampler, scorer,
                tokenizer, cfg, seed: int, critic=None):
-    """train.py's section 4. vine: split every response into steps (--step-split; entropy:F scores the batch first)
-    and estimate the value of the state before each step from K vines (values.estimate_values); with --vines-where
-    silent only for the responses whose group's others agree (vine_responses; the others' values are None). critic:
-    the value of every response token, from the separate critic's forward (`critic`, critic.SeparateCritic) or with
-    --critic head from the policy's forward pass that gives the old log-probs (kept in `batch` for the update).
-    grpo / rloo: no values.
+    """train.py's section 4. vine: split every response into steps and estimate the value of the state before each
+    step from K vines (values.estimate_values). critic: the value of every response token, from the separate
+    critic's forward (`critic`, critic.SeparateCritic) or with --critic head from the policy's forward pass that gives
+    the old log-probs (kept in `batch` for the update). grpo / rloo: no values. The ablations each join at one line
+    here: --step-split entropy:F (ablations/branching.py), --vines-where silent (ablations/silent_groups.py: the
+    responses without vines get None), --free-samples (ablations/free_samples.py), --vine-temperature
+    (ablations/vine_temperature.py).
     Returns (values, step starts (vine) or None, stats for the metrics line)."""
     if estimator == "vine":
         entropies = [None] * len(episodes.samples)
-        if cfg.step_split.startswith("entropy:"):  # the policy's entropy at every response token, from the pass that
-            scored = score_batch(scorer, batch, P, groups=micro, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 with_entropy=True)  # gives the update its old log-probs (kept in `batch`)
-            batch["old_logprobs"], batch["log_mass"] = scored["logprobs"], scored["log_mass"]  # (B, R) each
-            entropies = [scored["entropy"][i, :len(r)].tolist() for i, r in enumerate(episodes.responses)]
+        if cfg.step_split.startswith("entropy:"):  # branch where the policy is least sure
+            entropies = policy_entropies(scorer, batch, P, micro=micro, responses=episodes.responses,
+                                         temperature=cfg.temperature, top_p=cfg.top_p)
         starts = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task=cfg.task, split=cfg.step_split,
                                     logprobs=s.logprobs, entropies=e) for s, e in zip(episodes.samples, entropies)]
-        vined = [i for i, others_agree in enumerate(vine_responses(rewards=rewards, groups=episodes.groups))
-                 if others_agree or cfg.vines_where == "all"]  # --vines-where silent: where the others agree only
+        vined = list(range(len(starts)))  # the paper: every response gets vines
+        if cfg.vines_where != "all":  # only where the group's others agree
+            vined = [i for i, others_agree in enumerate(vine_responses(rewards=rewards, groups=episodes.groups))
+                     if others_agree]
+        estimate = estimate_values
+        if cfg.free_samples != "off":  # the group's own responses as samples of a state's value too
+            estimate = partial(free_samples.estimate_values, free_samples=cfg.free_samples)
+        temperature = cfg.temperature  # the paper: vines at the rollouts' temperature
+        if cfg.vine_temperature != 0:  # vines at a temperature of their own
+            temperature = vine_temperature(rollout=cfg.temperature, vine=cfg.vine_temperature)
         pick = lambda items: [items[i] for i in vined]  # noqa: E731
-        estimated, stats = estimate_values(
+        estimated, stats = estimate(
             sampler=sampler, prompts=pick(episodes.prompts), responses=pick(episodes.responses),
             step_starts=pick(starts), rewards=pick(rewards), answers=pick(episodes.answers), grader=cfg.grader,
-            K=cfg.k, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+            K=cfg.k, temperature=temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
             max_value_steps=cfg.max_value_steps or None, seed=seed, k_mode=cfg.k_mode, k_round=cfg.k_round,
-            k_max=cfg.k_max, k_ci=cfg.k_ci, free_samples=cfg.free_samples)
-        values = [None] * len(starts)  # None: a response without vines (its group has contrast)
+            k_max=cfg.k_max, k_ci=cfg.k_ci)
+        values = [None] * len(starts)  # None: a response without vines (--vines-where silent)
         for i, v in zip(vined, estimated):
             values[i] = v
         stats["steps_per_response"] = dist.mean(list(map(len, starts)))
@@ -171,24 +149,20 @@ def values_for(estimator: str, *, episodes, rewards: list[float], batch: dict, P
 
 def advantages_for(estimator: str, *, values, starts, rewards: list[float], episodes, batch: dict, cfg):
     """train.py's section 5. vine: GAE over the step values, every token of a step gets its step's advantage (with
-    --vines-where silent: the vined responses their vines' in grpo's units, the others grpo's).
-    critic: GAE over the token values (and the value targets, into `batch`). grpo / rloo: one advantage per response
-    from its group's rewards. The advantages (whitened over the batch with --whiten) go into batch["advantages"]
-    (B, R); returns the raw ones, one (L,) tensor per response, for the log."""
+    --vines-where silent: the vined responses their vines' in grpo's units, the others grpo's:
+    ablations/silent_groups.py). critic: GAE over the token values (and the value targets, into `batch`). grpo /
+    rloo: one advantage per response from its group's rewards. The advantages (whitened over the batch with
+    --whiten) go into batch["advantages"] (B, R); returns the raw ones, one (L,) tensor per response, for the log."""
     responses, R = episodes.responses, batch["response_mask"].shape[1]
     if estimator == "vine":
         token_steps = [token_step_index(len(r), st) for r, st in zip(responses, starts)]
         vined = [i for i, v in enumerate(values) if v is not None]  # every response; --vines-where silent: theirs
-        step = vine_advantages(values=[values[i] for i in vined], rewards=[rewards[i] for i in vined],
-                               token_steps=[token_steps[i] for i in vined], gamma=cfg.gamma, lam=cfg.lam)
-        if cfg.vines_where == "silent":  # the others: grpo's, from their group's contrast
-            advantages = group_baseline_advantages(rewards=rewards, groups=episodes.groups,
-                                                   lengths=list(map(len, responses)), kind="grpo")
-            step = in_group_units(step, prompt_values=[values[i][0] for i in vined], K=cfg.k)
-            for i, a in zip(vined, step):
-                advantages[i] = a
-        else:
-            advantages = step
+        advantages = vine_advantages(values=[values[i] for i in vined], rewards=[rewards[i] for i in vined],
+                                     token_steps=[token_steps[i] for i in vined], gamma=cfg.gamma, lam=cfg.lam)
+        if cfg.vines_where != "all":  # the responses without vines: grpo's, from their group's contrast
+            grpo = group_baseline_advantages(rewards=rewards, groups=episodes.groups,
+                                             lengths=list(map(len, responses)), kind="grpo")
+            advantages = silent_advantages(advantages, vined=vined, values=values, grpo=grpo, K=cfg.k)
     elif estimator == "critic":
         advantages, returns = critic_advantages(values=values, rewards=rewards, gamma=cfg.gamma, lam=cfg.lam)
         batch["old_values"], batch["returns"] = pad_rows(values, R), pad_rows(returns, R)  # (B, R) each

@@ -11,8 +11,7 @@ iteration in progress.
 On start: temp folders of dead saves are removed, and so are checkpoints newer than `latest` (a kill came between
 their rename and the pointer's update). On resume: metrics lines past the checkpoint, and a torn last line, are
 dropped. Resume state is loaded with weights_only=True: a crafted file cannot run code.
-Ctrl-C and SIGTERM (`GracefulStop`): before the update of an iteration, stop at once and save the state as of the
-iteration's start; during the update and the rest of the iteration, finish it first. A second signal stops at once.
+What Ctrl-C and SIGTERM do (runlog.GracefulStop) decides when Saver.save is called.
 """
 import dataclasses
 import errno
@@ -21,13 +20,12 @@ import json
 import os
 import re
 import shutil
-import signal
-import time
 from pathlib import Path
 
 import torch
 
 import dist
+from runlog import pause_point
 
 CKPT = re.compile(r"ckpt-\d{6}")
 
@@ -201,13 +199,6 @@ def repair_metrics(path: Path, *, upto: int):
     os.replace(tmp, path)
 
 
-def append_metrics(log, record: dict):
-    """One metrics line, on disk (fsynced) before anything else of its iteration is."""
-    log.write(json.dumps(record) + "\n")
-    log.flush()
-    os.fsync(log.fileno())
-
-
 def save_checkpoint(out_dir: Path, *, iteration: int, scorer, policy, value_head, tokenizer, optimizer, scheduler,
                     python_rng, torch_rng, cfg, train_seconds: float, critic=None):
     """Write ckpt-<iteration>/ as a temp folder, rename it into place, point `latest` at it, then drop older ones.
@@ -271,48 +262,3 @@ class Saver:
     def save(self):
         save_checkpoint(self.out_dir, iteration=self.completed, python_rng=self.python_rng, torch_rng=self.torch_rng,
                         train_seconds=self.train_seconds, **self.parts)
-
-
-def pause_point(name: str, iteration: int):
-    """Test hook for the crash tests: with VINEPPO_PAUSE_AT=name:iteration, print and wait here until killed or
-    signalled (a signal is then handled as anywhere else). Not in a worker that torchrun has restarted."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if os.environ.get("VINEPPO_PAUSE_AT") == f"{name}:{iteration}" and not restarted:
-        print(f"paused at {name}:{iteration} (rank {dist.rank()}, pid {os.getpid()})", flush=True)
-        while GracefulStop.last_signal is None:
-            time.sleep(0.05)
-
-
-class GracefulStop:
-    """SIGINT / SIGTERM. Outside hold() ... release(), a signal raises KeyboardInterrupt at once; inside, it is noted
-    (`requested`) and the held section (an iteration's update and what follows it) runs to its end. A second signal
-    raises at once; `holding` then stays True: the weights are half-updated and must not be saved."""
-
-    last_signal = None  # of any instance: what pause_point waits for
-
-    def __init__(self):
-        self.requested, self.holding = None, False
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        first = self.requested is None
-        self.requested = GracefulStop.last_signal = signum
-        if self.holding and first:
-            print(f"\n{signal.Signals(signum).name}: finishing this iteration's update, then saving (send it again to "
-                  "stop at once, losing the iteration)", flush=True)
-            return
-        raise KeyboardInterrupt
-
-    def hold(self):
-        self.holding = True
-
-    def release(self):
-        self.holding = False
-
-    def any_rank(self) -> bool:
-        """Whether any rank has been signalled (under torchrun all ranks then stop together)."""
-        return dist.all_sum(torch.tensor([float(self.requested is not None)]))[0].item() > 0
-
-    def exit_code(self) -> int:
-        return 128 + (self.requested or signal.SIGINT)

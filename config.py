@@ -71,6 +71,8 @@ class Config:
                                   "responses all got the same reward, joined to its group (the comparator of "
                                   "--vines-where silent; 0: off); the update keeps its number of optimizer steps")
     temperature: float = arg(0.6, "sampling temperature for rollouts and vines")
+    vine_temperature: float = arg(0.0, "sample the vines at this temperature instead (ablations/vine_temperature.py); "
+                                       "0: --temperature, the paper's")
     top_p: float = arg(0.9, "nucleus sampling threshold")
     gamma: float = arg(1.0, "discount")
     lam: float | None = arg(None, "GAE lambda (default: 0 for vine, 1 for critic as in the paper's PPO)")
@@ -269,6 +271,8 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--threads must be 0 (torch's default) or above (got {cfg.threads})")
     if not cfg.temperature > 0:
         parser.error(f"--temperature must be above 0: rollouts and vines are sampled (got {cfg.temperature})")
+    if not cfg.vine_temperature >= 0:
+        parser.error(f"--vine-temperature must be 0 (--temperature) or above (got {cfg.vine_temperature})")
     check_sampling_and_resume(parser, cfg)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun --max-restarts: go on
         has_checkpoint = (Path(cfg.out_dir) / "latest").exists()
@@ -331,7 +335,7 @@ RUN_DEFINING = ("dataset", "grader", "estimator", "critic", "model", "prompt_for
                 "chain_filler", "k",
                 "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "minibatch_size", "epochs", "gamma", "lam",
                 "max_value_steps", "step_split", "eval_size", "eval_samples", "fsdp", "k_mode", "k_round",
-                "k_max", "k_ci", "free_samples", "vines_where", "resample_silent")
+                "k_max", "k_ci", "free_samples", "vines_where", "resample_silent", "vine_temperature")
 NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track", "task", "total_steps")  # derived
 
 

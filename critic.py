@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 import dist
-from checkpoint import pause_point
 from model import autocast, resolve_model
 from ppo import make_optimizer, minibatch_groups, minibatch_tokens, trim, value_loss
+from runlog import pause_point
 
 HEAD_FILE = "value_head.safetensors"  # beside the trunk's HF files in ckpt-*/critic/
 

@@ -375,3 +375,16 @@ def make_chain(count: int, *, seed: int, ops: int, max_number: int, filler: int 
             solution = bugged_solution(question, ops=CHAIN_BUGS[bug], rate=bug_rate, rng=coins)
         examples.append({"question": question, "answer": e["answer"], "solution": solution})
     return examples
+
+
+def task_chars(examples: list[dict]) -> str:
+    """Every character the task's questions and gold solutions use."""
+    return "".join(sorted({c for e in examples for text in (e["question"], e.get("solution", "")) for c in text}))
+
+
+def prompt_chars(prompt_format: str, *, grader: str) -> str:
+    """Every character a prompt format writes around the question (plain: a newline; sft: the paper's template).
+    chat needs the model's chat template, which a character tokenizer does not have."""
+    if prompt_format == "chat":
+        raise ValueError("a character tokenizer has no chat template")
+    return "".join(sorted(set(make_prompt("", grader=grader, tokenizer=None, prompt_format=prompt_format))))

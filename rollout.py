@@ -42,8 +42,8 @@ import dist
 from data import encode_prompt
 from engine import HFSampler
 from grader import grade
-from sampling import (Sample, cut_at_stop, nucleus_log_mass, requests_in_waves, row_seed, sampler_model,
-                      sync_weights)
+from model import nucleus_log_mass
+from sampling import Sample, cut_at_stop, requests_in_waves, row_seed, sampler_model, sync_weights
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")  # decoders our loop runs: pre-norm, RoPE, GQA, no q/k norm
 
@@ -322,35 +322,6 @@ def rollouts(sampler, examples: list[dict], *, tokenizer, cfg, seed: int) -> Epi
     return Episodes(prompts=[p for p, g in zip(prompts, groups) for _ in g], samples=[s for g in groups for s in g],
                     answers=[e["answer"] for e, g in zip(examples, groups) for _ in g],
                     groups=[i for i, g in enumerate(groups) for _ in g])
-
-
-def resample_silent(sampler, episodes: Episodes, rewards: list[float], *, extra: int, cfg, seed: int):
-    """--resample-silent M, the comparator of --vines-where silent (docs/vines-where.md): M fresh responses more to the
-    prompt of every group whose responses all got the same reward, graded and joined to that group, so that grpo
-    compares each response with 8 + M. Returns the grown episodes and rewards, and the stats: how many groups were
-    silent (resampled_groups; silent_before_frac of all groups) and the share of them that the fresh responses gave
-    contrast (resample_found_frac)."""
-    first, outcomes = {}, {}  # each group's first response, and the rewards its responses got
-    for i, (g, r) in enumerate(zip(episodes.groups, rewards)):
-        first.setdefault(g, i)
-        outcomes.setdefault(g, set()).add(r)
-    silent = [g for g in first if len(outcomes[g]) == 1]
-    if not silent or extra == 0:
-        return episodes, rewards, {"resampled_groups": 0, "silent_before_frac": len(silent) / max(len(first), 1),
-                                   "resample_found_frac": 0.0}
-    prompts = [episodes.prompts[first[g]] for g in silent]
-    fresh = sampler.sample(prompts, n=extra, temperature=cfg.temperature, top_p=cfg.top_p,
-                           max_new_tokens=cfg.max_new_tokens, seed=seed)
-    graded = [[grade(s.text, episodes.answers[first[g]], grader=cfg.grader, truncated=not s.finished) for s in group]
-              for g, group in zip(silent, fresh)]
-    found = sum(any(r != rewards[first[g]] for r in rs) for g, rs in zip(silent, graded))
-    grown = Episodes(prompts=episodes.prompts + [p for p, group in zip(prompts, fresh) for _ in group],
-                     samples=episodes.samples + [s for group in fresh for s in group],
-                     answers=episodes.answers + [episodes.answers[first[g]] for g, grp in zip(silent, fresh) for _ in grp],
-                     groups=episodes.groups + [g for g, group in zip(silent, fresh) for _ in group])
-    return grown, rewards + [r for rs in graded for r in rs], {"resampled_groups": len(silent),
-                                                                "silent_before_frac": len(silent) / len(first),
-                                                                "resample_found_frac": found / len(silent)}
 
 
 def evaluate(sampler, tokenizer, examples, cfg, *, seed: int, keep: list | None = None) -> tuple[float, float]:

@@ -10,12 +10,16 @@ Peak memory on a CPU is the process's resident high-water mark (VmHWM in /proc/s
 each section by writing 5 to /proc/self/clear_refs (Linux); elsewhere it is the run's peak so far. On CUDA it is
 torch's peak of allocated memory, reset the same way.
 """
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
+import json
 import math
+import os
 import re
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,8 +27,6 @@ from pathlib import Path
 import torch
 
 import dist
-from checkpoint import append_metrics
-from values import step_token_starts
 
 
 def reset_peak_memory(device: torch.device):
@@ -63,7 +65,8 @@ def return_free_memory():
 
 
 class Meter:
-    """Seconds and peak memory of the sections of one iteration: start(), then stop("name") at the section's end."""
+    """Seconds and peak memory of the sections of one iteration: `with meter.section("name"):` around each (or
+    start(), then stop("name") at the section's end)."""
 
     def __init__(self, device: torch.device):
         self.device, self.seconds, self.memory, self.began = device, {}, {}, time.perf_counter()
@@ -75,6 +78,13 @@ class Meter:
     def stop(self, name: str):
         self.seconds[name] = time.perf_counter() - self.began
         self.memory[name] = peak_memory_gb(self.device)
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        """`with meter.section("rollout"):` start() before the block, stop("rollout") after it."""
+        self.start()
+        yield
+        self.stop(name)
 
     def record(self) -> dict:
         """seconds_<section> and mem_gb_<section> for the metrics line, and mem_gb: the iteration's peak."""
@@ -211,17 +221,14 @@ class RunLog:
                         f"{record.get('kl_ref', 0):.2e}, {record['tokens_per_s']:.0f} tok/s, {record['mem_gb']:.1f} GB"
                         f"{evaluated}", budget_left=budget_left)
 
-    def responses(self, step: int, *, episodes, rewards: list[float], advantages: list, tokenizer, task: str,
-                  starts: list[list[int]] | None):
+    def responses(self, step: int, *, episodes, rewards: list[float], advantages: list, tokenizer, steps_of):
         """The first and the last response of the batch, each step under the advantage it got, for the tracker.
-        starts: where the vines branched (vine), else None: the text rule's steps."""
+        steps_of(i): the first token of each of response i's steps (where its vines branched, or the text rule's)."""
         if not self.writer or self.tracker.kind == "none":
             return
         for i in (0, len(episodes.samples) - 1):
-            ids, text = episodes.responses[i], episodes.samples[i].text
-            steps, step_advantages = response_steps(
-                token_ids=ids, advantages=advantages[i], tokenizer=tokenizer,
-                starts=starts[i] if starts else step_token_starts(ids, text, tokenizer=tokenizer, task=task))
+            steps, step_advantages = response_steps(token_ids=episodes.responses[i], advantages=advantages[i],
+                                                    tokenizer=tokenizer, starts=steps_of(i))
             self.text(f"responses/{i}", sample_markdown(text_steps=steps, step_advantages=step_advantages,
                                                         reward=rewards[i], answer=episodes.answers[i]), step)
 
@@ -229,6 +236,13 @@ class RunLog:
         self.tracker.close()
         if self.file is not None:
             self.file.close()
+
+
+def append_metrics(log, record: dict):
+    """One metrics line, on disk (fsynced) before anything else of its iteration is."""
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+    os.fsync(log.fileno())
 
 
 def due(done: int, *, every: int, last: int, now: bool = False) -> bool:
@@ -247,6 +261,51 @@ def stop_after_interrupt(stop, *, save, completed: int, unit: str = "iteration")
         print(f"interrupted: saving the state after {unit} {completed}", flush=True)
         save()
     sys.exit(stop.exit_code())
+
+
+def pause_point(name: str, iteration: int):
+    """Test hook for the crash tests: with VINEPPO_PAUSE_AT=name:iteration, print and wait here until killed or
+    signalled (a signal is then handled as anywhere else). Not in a worker that torchrun has restarted."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if os.environ.get("VINEPPO_PAUSE_AT") == f"{name}:{iteration}" and not restarted:
+        print(f"paused at {name}:{iteration} (rank {dist.rank()}, pid {os.getpid()})", flush=True)
+        while GracefulStop.last_signal is None:
+            time.sleep(0.05)
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM. Outside hold() ... release(), a signal raises KeyboardInterrupt at once; inside, it is noted
+    (`requested`) and the held section (an iteration's update and what follows it) runs to its end. A second signal
+    raises at once; `holding` then stays True: the weights are half-updated and must not be saved."""
+
+    last_signal = None  # of any instance: what pause_point waits for
+
+    def __init__(self):
+        self.requested, self.holding = None, False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        first = self.requested is None
+        self.requested = GracefulStop.last_signal = signum
+        if self.holding and first:
+            print(f"\n{signal.Signals(signum).name}: finishing this iteration's update, then saving (send it again to "
+                  "stop at once, losing the iteration)", flush=True)
+            return
+        raise KeyboardInterrupt
+
+    def hold(self):
+        self.holding = True
+
+    def release(self):
+        self.holding = False
+
+    def any_rank(self) -> bool:
+        """Whether any rank has been signalled (under torchrun all ranks then stop together)."""
+        return dist.all_sum(torch.tensor([float(self.requested is not None)]))[0].item() > 0
+
+    def exit_code(self) -> int:
+        return 128 + (self.requested or signal.SIGINT)
 
 
 def mark_crossed(before: float, after: float, *, every: float) -> bool:

@@ -6,16 +6,13 @@
 - Request: n continuations of one state, what every sampler's sample_requests takes (values.py submits a state's
   next round of vines as soon as its last one is graded); requests_in_waves: sample_requests for the samplers that
   only sample whole calls (rollout.py's GenerateSampler and VLLMSampler), built on their sample_prefixes;
-- nucleus_keep / nucleus_log_mass: the top-p nucleus, so that every sampler and the trainer report a token's
-  log-prob under the same distribution, the one it was sampled from.
 
 The log-prob every sampler reports is the sampled token's under the distribution it was drawn from: softmax(logits / T)
 renormalised over the top-p nucleus, i.e. log softmax(logits / T)[token] - log(mass of the nucleus). That is what vLLM
 reports (its "processed" log-probs, after temperature and top-p) and the only per-token quantity it can report with T
 applied; our decode loop computes the same from the nucleus it samples from, and the trainer from its own logits
-(model.response_logprobs with top_p), so that the sampler-trainer mismatch and --tis-cap compare like with like.
-
-Shapes: B = rows, V = vocab, k = candidates (likeliest first).
+(model.response_logprobs with top_p; the nucleus is model.nucleus_keep / nucleus_log_mass), so that the
+sampler-trainer mismatch and --tis-cap compare like with like.
 """
 import copy
 from dataclasses import dataclass
@@ -122,25 +119,3 @@ def row_seed(*parts: int) -> int:
     for part in parts:
         x = splitmix64(x ^ (part & MASK64))
     return x >> 1
-
-
-def nucleus_keep(sorted_probs: torch.Tensor, *, top_p: float) -> torch.Tensor:
-    """(..., k) which of the likeliest-first probabilities are in the top-p nucleus: the smallest prefix whose mass
-    reaches top_p, i.e. a token is kept when the mass before it is under top_p (vLLM's rule too)."""
-    return sorted_probs.cumsum(-1) - sorted_probs < top_p
-
-
-def nucleus_log_mass(logp: torch.Tensor, *, top_p: float, first: int = 64) -> torch.Tensor:
-    """(...) log of the probability mass of the top-p nucleus of each distribution in logp (..., V), log-probs in
-    fp32; 0 when top_p >= 1. The `first` likeliest tokens are looked at first; rows whose nucleus is wider are
-    sorted whole."""
-    if top_p >= 1:
-        return logp.new_zeros(logp.shape[:-1])
-    flat = logp.reshape(-1, logp.shape[-1])  # (B, V)
-    probs = flat.topk(min(first, flat.shape[-1]), dim=-1).values.exp()  # (B, k)
-    mass = (probs * nucleus_keep(probs, top_p=top_p)).sum(-1)  # (B,)
-    wide = probs.sum(-1) < top_p  # (B,) nucleus wider than k tokens
-    if wide.any():
-        full = flat[wide].sort(dim=-1, descending=True).values.exp()  # (b, V)
-        mass[wide] = (full * nucleus_keep(full, top_p=top_p)).sum(-1)
-    return mass.log().view(logp.shape[:-1])

@@ -33,17 +33,17 @@ from pathlib import Path
 import torch
 
 import dist
-from checkpoint import GracefulStop, Saver, open_run, repair_metrics, restore
+from checkpoint import Saver, open_run, repair_metrics, restore
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
-from data import dataset_problem, encode_prompt, input_problem, load_split, load_splits, task_of
+from data import (dataset_problem, encode_prompt, input_problem, load_split, load_splits, prompt_chars, task_chars,
+                  task_of)
 from engine import HFSampler
 from grader import grader_of, is_number, wrong_line_counts
-from model import (DEFAULT_MODEL, Scorer, load_model, load_tokenizer, max_positions, model_problem, pick_device,
-                   pick_dtype)
+from model import (DEFAULT_MODEL, Scorer, load_model, load_tokenizer, max_positions, model_problem,
+                   new_scratch_model, pick_device, pick_dtype)
 from ppo import make_optimizer, pad_episodes
 from rollout import evaluate
-from runlog import RunLog, due, stop_after_interrupt
-from scratch import new_scratch_model, prompt_chars, task_chars
+from runlog import GracefulStop, RunLog, due, stop_after_interrupt
 
 
 @dataclass
@@ -54,7 +54,7 @@ class SFTConfig:
     grader: str = arg("auto", "how pass@1 is graded (as train.py): number, math; auto: by --dataset",
                       choices=["auto", "number", "math"])
     model: str = arg(DEFAULT_MODEL, "the model to fine-tune: Hub id, local HF folder or .gguf file; scratch: a new "
-                                    "random-initialised Llama with a character tokenizer of the task (scratch.py)")
+                                    "random-initialised Llama with a character tokenizer of the task (model.new_scratch_model)")
     scratch_layers: int = arg(4, "--model scratch: transformer layers")
     scratch_width: int = arg(128, "--model scratch: hidden size (the MLP is 4x; embeddings tied)")
     scratch_heads: int = arg(4, "--model scratch: attention heads (the width must divide by them)")

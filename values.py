@@ -1,32 +1,29 @@
-"""Monte Carlo values: split responses into steps, resume K vines from the state before each step.
+"""Monte Carlo values: split responses into steps, resume K vines from the state before each step, take the mean.
 
-A response with steps s_1..s_n has states x, x+s_1, ..., x+s_1..s_{n-1} (x = prompt) plus the terminal state (value
-0). V(state) = mean 0/1 reward of K continuations sampled from it with the current policy; a continuation that hits
-the length limit scores 0. Identical states across the batch are estimated once. With a cap, only the first
-`max_value_steps` states are estimated; later ones are filled from the final reward (their advantages are then 0).
+    1. split     a response into reasoning steps s_1..s_n (split_steps: lines; MATH: sentences, math kept whole),
+                 mapped to tokens through each token's character offset (step_token_starts)
+    2. states    x, x+s_1, ..., x+s_1..s_{n-1} (x = the prompt), each distinct one once over the batch (and over the
+                 ranks of torchrun: pool_states); with the cap --max-value-steps only the first ones (response_states)
+    3. K vines   from every state with the current policy (fixed_k_rewards), each graded as a whole response; a
+                 vine cut by the length limit scores 0
+    4. values    V(state) = the mean 0/1 reward of its vines; past the cap V = the response's reward (gamma = 1, so
+                 the advantages there are 0); the terminal state's V = 0
 
-Steps are found in text (`split_steps`) and mapped to tokens through each token's character offset: a token belongs
-to the step holding its first character, so the state before step j is prompt + response tokens[:start_j].
-
-How many vines a state gets is `round_sizes`' rule (fixed K, or rounds: adaptive, budget, official). The rounds are
-requests (sampling.Request) to the sampler's sample_requests, which hands each state's vines back to
-`grade_and_continue` as soon as they are done; that grades them and asks for what comes next: fixed, adaptive and
-official decide each state from its own rewards, so a state's next round is asked for at once and no state waits for
-another; budget shares its vines out over all states, so its next round is asked for when every state's round is
-graded (a barrier per round). Our decode loop puts a next round into the running batch (no new prefill);
-generate and vLLM sample the rounds in waves, one call per round and vine count (sampling.requests_in_waves). Every
-(state, round, vine) row draws its own noise: round r's n vines of state i are the rows i * n + j of seed
-row_seed(seed, r, n) (with generate and vLLM, j of the state's place in its call); fixed K is round 0, one request
-of K for every state.
+A token belongs to the step holding its first character, so the state before step j is prompt + response
+tokens[:start_j]. Ablations join here at one call each: where vines branch (--step-split: ablations/branching.py, in
+step_token_starts), how many vines a state gets (--k-mode: ablations/adaptive_k.py, in state_rewards); the
+group's own responses as samples too (--free-samples: ablations/free_samples.py) build on state_vines.
 """
-import math
+
 import re
-from functools import partial
+from typing import NamedTuple
 
 import torch
 
 import dist
-from grader import grade
+from ablations import adaptive_k
+from ablations.branching import branch_starts
+from grader import grade_vines
 from sampling import Request, row_seed
 
 # Math that must stay whole: $$..$$, $..$ (not \$), \(..\), \[..\], \begin{env}..\end{env}, [asy]..[/asy].
@@ -127,33 +124,12 @@ def token_char_starts(token_ids: list[int], *, tokenizer) -> list[int]:
 def step_token_starts(token_ids: list[int], text: str, *, tokenizer, task: str, split: str = "auto",
                       logprobs: list[float] | None = None, entropies: list[float] | None = None) -> list[int]:
     """Index of the first token of each step (where the response branches into vines); always starts with 0.
-    split (--step-split): "auto", the dataset's text rule (lines, or MATH's sentences); "tokens:N", every N tokens;
-    "lowprob:P", before each sampled token whose probability under the sampler (`logprobs`) was below P (SPO's
-    cutpoints), evenly thinned; "entropy:F", before the tokens in the top fraction F of the response's per-token
-    policy entropies (`entropies`; TreeRL's forks), highest first. lowprob and entropy keep at most as many states as
-    the text rule gives the same response, so that every rule but tokens:N spends at most its vine budget."""
-    rule, _, arg = split.partition(":")
-    if rule == "tokens":
-        return list(range(0, max(len(token_ids), 1), int(arg)))
-    starts = text_step_starts(token_ids, text, tokenizer=tokenizer, task=task)
-    if rule == "auto":
-        return starts
-    cuts, at_most = [], len(starts) - 1  # cuts: candidate first tokens of a step; state 0 (the prompt) is kept
-    if rule == "lowprob":
-        cuts = spread([t for t in range(1, len(token_ids)) if logprobs[t] < math.log(float(arg))], at_most=at_most)
-    elif rule == "entropy":
-        top = math.ceil(float(arg) * len(token_ids))
-        cuts = sorted(sorted(range(1, len(token_ids)), key=lambda t: (-entropies[t], t))[:min(top, at_most)])
-    else:
-        raise ValueError(f"unknown step split {split!r}")
-    return [0] + cuts
-
-
-def spread(items: list, *, at_most: int) -> list:
-    """At most `at_most` of `items`, evenly spaced (all of them if they are few enough), in order."""
-    if len(items) <= at_most:
-        return items
-    return [items[int((j + 0.5) * len(items) / at_most)] for j in range(at_most)]
+    split (--step-split): "auto", the dataset's text rule (text_step_starts); any other rule (tokens:N, lowprob:P
+    from the sampler's `logprobs`, entropy:F from the policy's `entropies`) is ablations/branching.py's."""
+    if split != "auto":  # --step-split: branch elsewhere than at the text's steps
+        return branch_starts(token_ids, split=split, logprobs=logprobs, entropies=entropies,
+                             text_starts=lambda: text_step_starts(token_ids, text, tokenizer=tokenizer, task=task))
+    return text_step_starts(token_ids, text, tokenizer=tokenizer, task=task)
 
 
 def text_step_starts(token_ids: list[int], text: str, *, tokenizer, task: str) -> list[int]:
@@ -179,119 +155,36 @@ def token_step_index(n_tokens: int, starts: list[int]) -> list[int]:
     return index
 
 
-def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], prompt_lens: list[int],
-                answers: list[str], grader: str, K: int, temperature: float, top_p: float, max_new_tokens: int,
-                seed: int = 0) -> tuple[list[list[float]], int]:
-    """The 0/1 rewards of K continuations of every state sequences[i][:prefix_lens[i]] (the first prompt_lens[i]
-    tokens being the prompt), and the number of tokens sampled. Each continuation is graded as a whole response,
-    prefix included; one cut by the length limit (max_new_tokens for the whole response) scores 0. One
-    sample_prefixes call: scripts/diagnose.py's fixed-K values (training's go through vine_rewards)."""
-    budgets = [max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)]
-    vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
-                                    max_new_tokens=budgets, seed=seed) if sequences else []
-    scores = [grade_vines(samples, sequence=seq, prefix_len=L, prompt_len=p, answer=answer, grader=grader,
-                          tokenizer=sampler.tokenizer)
-              for seq, L, p, answer, samples in zip(sequences, prefix_lens, prompt_lens, answers, vines)]
-    return scores, sum(len(v.token_ids) for samples in vines for v in samples)
+class State(NamedTuple):
+    """A distinct state to estimate: the tokens sequence[:prefix_len] (its first prompt_len the prompt), continued
+    from the first response that holds it (any will do)."""
+    sequence: list[int]  # that response's prompt + response tokens
+    prefix_len: int
+    prompt_len: int
+    answer: str  # the gold answer its vines are graded against
+    cost: int  # expected vine tokens: vines to sample x what that response had left after the state
+    prior: list[float]  # rewards it already has (--free-samples topup: the other responses through it), else []
 
 
-def grade_vines(samples, *, sequence, prefix_len: int, prompt_len: int, answer: str, grader: str,
-                tokenizer) -> list[float]:
-    """The 0/1 rewards of a state's vines, each graded as a whole response (the state's response tokens + the vine);
-    a vine cut by the length limit scores 0."""
-    texts = tokenizer.batch_decode([sequence[prompt_len:prefix_len] + v.token_ids for v in samples],
-                                   skip_special_tokens=True)
-    return [grade(text, answer, grader=grader, truncated=not v.finished) for text, v in zip(texts, samples)]
+def response_states(prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]], *,
+                    max_value_steps: int | None) -> list[list[tuple]]:
+    """states[i][j]: the key of response i's state j, its tokens (prompt + the steps before j), for the first
+    max_value_steps steps (None: all)."""
+    return [[tuple(prompt + response[:s]) for s in starts[:len(starts) if max_value_steps is None else max_value_steps]]
+            for prompt, response, starts in zip(prompts, responses, step_starts)]
 
 
-def wilson_width(successes: float, n: int, *, z: float = 1.96) -> float:
-    """Width of the Wilson score interval of a 0/1 mean after n draws: sensible at 0/n and n/n, where the normal
-    approximation's width is 0 (e.g. 0/3: 0.56, 0/9: 0.30, 0/27: 0.12; 1/3: 0.73)."""
-    if n == 0:
-        return 1.0
-    p, z2 = successes / n, z * z
-    return 2 * z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-
-
-def posterior_variance(successes: float, n: int) -> float:
-    """Variance of the mean under the Beta(1 + successes, 1 + failures) posterior (uniform prior)."""
-    a, b = 1 + successes, 1 + n - successes
-    return a * b / ((a + b) ** 2 * (a + b + 1))
-
-
-def round_sizes(rewards: list[list[float]], *, k_mode: str, K: int, k_round: int, k_max: int, k_ci: float) -> list[int]:
-    """How many more vines each state gets in the next round, given the rewards its vines have had so far (0 = done).
-    fixed: K at once. adaptive: rounds of k_round until the Wilson interval is narrower than k_ci or k_max vines.
-    budget: K x states in all; a first round of k_round (at most K) each, then a round to the most uncertain half
-    (largest posterior variance) while the budget lasts. official: the official repository's expander: 10, then 4 more
-    while the normal interval 2 x 1.96 sqrt(p (1 - p) / n) is wider than 0.05, up to 30."""
-    counts = [len(r) for r in rewards]
-    if k_mode == "fixed":  # K in all: K at once, or what free samples (counted in `rewards`) leave of K
-        return [max(0, K - n) for n in counts]
-    if k_mode == "official":
-        return [10 if n == 0 else 0 if n >= 30 or 2 * 1.96 * math.sqrt(p * (1 - p) / n) <= 0.05 else min(4, 30 - n)
-                for n, p in ((len(r), sum(r) / max(len(r), 1)) for r in rewards)]
-    if k_mode == "adaptive":
-        return [k_round if n == 0 else 0 if n >= k_max or wilson_width(sum(r), n) <= k_ci else min(k_round, k_max - n)
-                for n, r in zip(counts, rewards)]
-    left = K * len(rewards) - sum(counts)  # budget
-    if 0 in counts:
-        return [min(k_round, K)] * len(rewards)
-    order = sorted(range(len(rewards)), key=lambda i: (-posterior_variance(sum(rewards[i]), counts[i]), i))
-    sizes = [0] * len(rewards)
-    for i in order[:min((len(rewards) + 1) // 2, left // k_round)]:
-        sizes[i] = k_round
-    if left > 0 and not any(sizes):
-        sizes[order[0]] = left  # the last few vines, to the most uncertain state
-    return sizes
-
-
-PER_STATE_RULES = ("fixed", "adaptive", "official")  # round_sizes decides each of these from the state's own rewards
-
-
-def vine_rewards(*, sampler, sequences, prefix_lens, prompt_lens, answers, grader: str, K: int, k_mode: str,
-                 k_round: int, k_max: int, k_ci: float, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int = 0, prior: list[list[float]] | None = None) -> tuple[list[list[float]], int]:
-    """The rewards of every state's vines, sampled in rounds (round_sizes; `fixed` is one round of K), and the number
-    of tokens sampled: one sampler.sample_requests call, whose on_done (grade_and_continue) grades each state's
-    round and asks for its next one (budget: once every state's round is graded). prior[i]: rewards state i already
-    has (--free-samples topup), which round_sizes counts but which are not returned."""
-    rule = dict(k_mode=k_mode, K=K, k_round=k_round, k_max=k_max, k_ci=k_ci)
-    prior = prior or [[] for _ in sequences]
-    tally = {"rewards": [list(p) for p in prior], "tokens": 0, "open": 0}  # open: requests of a budget round
-    first = round_requests(tally, round_=0, rule=rule, seed=seed)
-    if first:
-        on_done = partial(grade_and_continue, tally=tally, rule=rule, seed=seed, sequences=sequences,
-                          prefix_lens=prefix_lens, prompt_lens=prompt_lens, answers=answers, grader=grader,
-                          tokenizer=sampler.tokenizer)
-        sampler.sample_requests(sequences, prefix_lens, first, on_done=on_done, temperature=temperature, top_p=top_p,
-                                max_new_tokens=[max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)])
-    return [r[len(p):] for r, p in zip(tally["rewards"], prior)], tally["tokens"]
-
-
-def round_requests(tally: dict, *, round_: int, rule: dict, seed: int) -> list[Request]:
-    """Round `round_` for every state that round_sizes gives vines to, given all the rewards so far."""
-    sizes = round_sizes(tally["rewards"], **rule)
-    requests = [Request(i, n, row_seed(seed, round_, n), round=round_) for i, n in enumerate(sizes) if n]
-    tally["open"] += len(requests)
+def vine_requests(states: list[list[tuple]], *, prompts, responses, step_starts, answers, K: int,
+                  priors: dict[tuple, list[float]]) -> dict[tuple, State]:
+    """Each distinct state once (key -> State), continued from the first response that holds it; priors: the
+    rewards a state already has (--free-samples topup), which leave it fewer than K vines to sample."""
+    requests = {}
+    for i, (prompt, response, keys) in enumerate(zip(prompts, responses, states)):
+        for key, s in zip(keys, step_starts[i]):
+            prior = priors.get(key, [])
+            requests.setdefault(key, State(prompt + response, len(key), len(prompt), answers[i],
+                                           max(K - len(prior), 0) * (len(response) - s), prior))
     return requests
-
-
-def grade_and_continue(request: Request, samples, *, tally: dict, rule: dict, seed: int, sequences, prefix_lens,
-                       prompt_lens, answers, grader: str, tokenizer) -> list[Request]:
-    """on_done of vine_rewards' requests: grade one state's round of vines into `tally` (its rewards, the tokens
-    sampled), then ask for what comes next: that state's next round at once (per-state rules), or, once the last
-    state of a budget round is graded, the next round of every state that round_sizes picks."""
-    i, next_round = request.state, request.round + 1
-    tally["rewards"][i] += grade_vines(samples, sequence=sequences[i], prefix_len=prefix_lens[i],
-                                       prompt_len=prompt_lens[i], answer=answers[i], grader=grader,
-                                       tokenizer=tokenizer)
-    tally["tokens"] += sum(len(v.token_ids) for v in samples)
-    tally["open"] -= 1
-    if rule["k_mode"] in PER_STATE_RULES:
-        n = round_sizes([tally["rewards"][i]], **rule)[0]
-        return [Request(i, n, row_seed(seed, next_round, n), round=next_round)] if n else []
-    return [] if tally["open"] else round_requests(tally, round_=next_round, rule=rule, seed=seed)
 
 
 def split_states(costs: list[float], *, parts: int) -> list[list[int]]:
@@ -305,132 +198,131 @@ def split_states(costs: list[float], *, parts: int) -> list[list[int]]:
     return [sorted(part) for part in out]
 
 
-def responses_through(key: tuple, *, prompt: tuple, sequences: list[tuple],
-                      groups: dict[tuple, list[int]]) -> list[int]:
-    """The responses that pass through a state (key: its tokens, prompt + prefix): those of its prompt (groups:
-    prompt -> response indices) whose prompt + response tokens (sequences) begin with the state's tokens. From the
-    state on, each of them is a sample of the policy, as a vine is."""
-    return [j for j in groups[prompt] if sequences[j][:len(key)] == key]
-
-
-def free_value(*, fresh_sum: float, fresh_count: int, through: list[int], rewards: list[float], own: int) -> float:
-    """A state's value for response `own` with free samples: the mean over its fresh vines and the returns of the
-    other responses through it (leave-one-out: response `own`'s reward never enters its own states' values)."""
-    others = [rewards[j] for j in through if j != own]
-    return (fresh_sum + sum(others)) / max(fresh_count + len(others), 1)
-
-
-def response_states(prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]], *,
-                    max_value_steps: int | None) -> list[list[tuple]]:
-    """states[i][j]: the key of response i's state j, its tokens (prompt + the steps before j), for the first
-    max_value_steps steps (None: all)."""
-    return [[tuple(prompt + response[:s]) for s in starts[:len(starts) if max_value_steps is None else max_value_steps]]
-            for prompt, response, starts in zip(prompts, responses, step_starts)]
-
-
-def passing_through(states: list[list[tuple]], *, prompts: list[list[int]],
-                    responses: list[list[int]]) -> dict[tuple, list[int]]:
-    """--free-samples: each distinct state's responses_through, the responses of its prompt that pass through it."""
-    sequences = [tuple(p + r) for p, r in zip(prompts, responses)]
-    groups = {}  # prompt -> its responses (a prompt drawn twice in a batch: all its responses)
-    for i, prompt in enumerate(prompts):
-        groups.setdefault(tuple(prompt), []).append(i)
-    through = {}
-    for i, keys in enumerate(states):
-        for key in keys:
-            if key not in through:  # a state several responses share: once
-                through[key] = responses_through(key, prompt=tuple(prompts[i]), sequences=sequences, groups=groups)
-    return through
-
-
-def vine_requests(states: list[list[tuple]], *, prompts, responses, step_starts, answers, K: int,
-                  priors: dict[tuple, list[float]]) -> dict[tuple, tuple]:
-    """Each distinct state once, continued from the first response that holds it (any will do): key -> (its
-    sequence, prefix length, prompt length, answer, expected vine tokens: (K - its prior rewards) x what that response
-    had left after the state, its prior: --free-samples topup's rewards of the others through it)."""
-    requests = {}
-    for i, (prompt, response, keys) in enumerate(zip(prompts, responses, states)):
-        for key, s in zip(keys, step_starts[i]):
-            prior = priors.get(key, [])
-            requests.setdefault(key, (prompt + response, len(key), len(prompt), answers[i],
-                                      max(K - len(prior), 0) * (len(response) - s), prior))
-    return requests
-
-
-def pool_states(requests: dict[tuple, tuple]) -> tuple[dict[tuple, tuple], list[tuple], list[tuple]]:
-    """Under torchrun, every rank's states pooled (a state on two ranks: the copy with fewer free samples, that is
+def pool_states(requests: dict[tuple, State]) -> tuple[dict[tuple, State], list[tuple], list[tuple]]:
+    """Under torchrun, every rank's states pooled (a state on two ranks: the copy with fewer prior rewards, that is
     more vines), sorted the same on every rank, and dealt out by expected vine tokens (split_states): (the pooled
-    requests, all their keys, this rank's keys). One process: (requests, all, all)."""
+    states, all their keys, this rank's keys). One process: (requests, all, all)."""
     pooled = {}
     for part in dist.all_gather(requests):
-        for key, request in part.items():
-            if key not in pooled or len(request[5]) < len(pooled[key][5]):
-                pooled[key] = request
+        for key, state in part.items():
+            if key not in pooled or len(state.prior) < len(pooled[key].prior):
+                pooled[key] = state
     keys = sorted(pooled)
-    return pooled, keys, [keys[i] for i in split_states([pooled[k][4] for k in keys], parts=dist.world())[dist.rank()]]
+    return pooled, keys, [keys[i] for i in split_states([pooled[k].cost for k in keys], parts=dist.world())[dist.rank()]]
+
+
+def fixed_k_rewards(*, sampler, states: list[State], K: int, grader: str, temperature: float, top_p: float,
+                    max_new_tokens: int, seed: int) -> tuple[list[list[float]], int]:
+    """The 0/1 rewards of K vines from every state (K less its prior rewards), and the tokens sampled: one request of
+    n vines per state (sampling.Request, seed row_seed(seed, 0, n)) to sampler.sample_requests, whose on_done grades
+    a state's vines as soon as they are done. Each vine is graded as a whole response (grader.grade_vines); its
+    length limit is what the response had left after the state's prefix."""
+    rewards, tokens = [[] for _ in states], [0]
+
+    def grade_state(request: Request, samples) -> list[Request]:
+        s = states[request.state]
+        rewards[request.state] += grade_vines(samples, sequence=s.sequence, prefix_len=s.prefix_len,
+                                              prompt_len=s.prompt_len, answer=s.answer, grader=grader,
+                                              tokenizer=sampler.tokenizer)
+        tokens[0] += sum(len(v.token_ids) for v in samples)
+        return []  # K at once: nothing more to ask for
+
+    requests = [Request(i, n, row_seed(seed, 0, n)) for i, s in enumerate(states) if (n := max(0, K - len(s.prior)))]
+    if requests:
+        sampler.sample_requests([s.sequence for s in states], [s.prefix_len for s in states], requests,
+                                on_done=grade_state, temperature=temperature, top_p=top_p,
+                                max_new_tokens=[max_new_tokens - (s.prefix_len - s.prompt_len) for s in states])
+    return rewards, tokens[0]
+
+
+def state_rewards(*, sampler, states: list[State], K: int, k_mode: str, k_round: int, k_max: int, k_ci: float,
+                  grader: str, temperature: float, top_p: float, max_new_tokens: int, seed: int):
+    """The rewards of every state's fresh vines and the tokens sampled: K each (fixed_k_rewards), or with --k-mode
+    adaptive / budget / official in rounds (ablations/adaptive_k.py)."""
+    if k_mode != "fixed":  # --k-mode: how many vines each state gets, decided in rounds
+        return adaptive_k.vine_rewards(
+            sampler=sampler, sequences=[s.sequence for s in states], prefix_lens=[s.prefix_len for s in states],
+            prompt_lens=[s.prompt_len for s in states], answers=[s.answer for s in states], grader=grader, K=K,
+            k_mode=k_mode, k_round=k_round, k_max=k_max, k_ci=k_ci, temperature=temperature, top_p=top_p,
+            max_new_tokens=max_new_tokens, seed=seed, prior=[s.prior for s in states])
+    return fixed_k_rewards(sampler=sampler, states=states, K=K, grader=grader, temperature=temperature, top_p=top_p,
+                           max_new_tokens=max_new_tokens, seed=seed)
+
+
+class Vines(NamedTuple):
+    """state_vines' result: what the values and their metrics are made of."""
+    fresh: dict[tuple, tuple[float, int]]  # every distinct state of every rank -> (sum, count) of its vines' rewards
+    keys: list[tuple]  # every distinct state, over all ranks
+    scores: list[list[float]]  # this rank's states' vine rewards
+    tokens: int  # vine tokens this rank sampled
+
+
+def state_vines(states: list[list[tuple]], *, sampler, prompts, responses, step_starts, answers, grader: str, K: int,
+                temperature: float, top_p: float, max_new_tokens: int, seed: int, k_mode: str, k_round: int,
+                k_max: int, k_ci: float, priors: dict[tuple, list[float]]) -> Vines:
+    """Vines from each distinct state of `states` (response_states), estimated once over all ranks (pool_states);
+    every rank gets every state's (sum, count) back."""
+    pooled, keys, mine = pool_states(vine_requests(states, prompts=prompts, responses=responses,
+                                                   step_starts=step_starts, answers=answers, K=K, priors=priors))
+    scores, tokens = state_rewards(sampler=sampler, states=[pooled[k] for k in mine], K=K, k_mode=k_mode,
+                                   k_round=k_round, k_max=k_max, k_ci=k_ci, grader=grader, temperature=temperature,
+                                   top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    fresh = {}
+    for part in dist.all_gather({key: (sum(sc), len(sc)) for key, sc in zip(mine, scores)}):
+        fresh.update(part)
+    return Vines(fresh, keys, scores, tokens)
 
 
 def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]],
                     rewards: list[float], answers: list[str], grader: str, K: int, temperature: float, top_p: float,
                     max_new_tokens: int, max_value_steps: int | None = None, seed: int = 0, k_mode: str = "fixed",
-                    k_round: int = 3, k_max: int = 27, k_ci: float = 0.5, free_samples: str = "off"):
+                    k_round: int = 3, k_max: int = 27, k_ci: float = 0.5):
     """MC value of every state of every response: its distinct states, K vines from each, the mean reward.
 
     prompts[i], responses[i]: token ids; step_starts[i]: first token of each step (from step_token_starts);
     rewards[i]: the response's own 0/1 reward; answers[i]: its gold answer, against which each continuation is
     graded as a whole response (prefix + continuation). Returns (values, stats): values[i] has
-    len(step_starts[i]) + 1 entries, the last being the terminal value 0. The options, each a step of its own:
-    max_value_steps caps the states per response (response_states; past the cap V = the final reward, gamma = 1);
-    k_mode etc. decide how many vines (round_sizes); under torchrun the states of all ranks are pooled and dealt out
-    (pool_states): each is estimated once, on one rank, and every rank gets every value back. free_samples
-    (docs/free-samples.md): the responses passing through a state (passing_through) are samples of its value too;
-    "add": response i's value is the mean over K fresh vines and the rewards of the other responses through it
-    (free_value, leave-one-out); "topup": the same mean, with fresh vines only where the others fall short of K
-    (round_sizes counts the |through| - 1 rewards of all but the first response through the state; fixed K only,
-    config.py). Under torchrun a rank's free samples are its own responses.
+    len(step_starts[i]) + 1 entries, the last being the terminal value 0. max_value_steps caps the states per
+    response (past the cap V = the final reward, gamma = 1); k_mode etc.: --k-mode (ablations/adaptive_k.py).
     """
     # 1. The states: where each response's steps begin (prompt + the steps before), up to the cap
     states = response_states(prompts, responses, step_starts, max_value_steps=max_value_steps)
-    through = passing_through(states, prompts=prompts, responses=responses) if free_samples != "off" else {}
-    priors = {key: [rewards[j] for j in members[1:]] for key, members in through.items()} if (
-        free_samples == "topup") else {}
-    requests = vine_requests(states, prompts=prompts, responses=responses, step_starts=step_starts, answers=answers,
-                             K=K, priors=priors)
-    pooled, keys, mine = pool_states(requests)  # each distinct state once, over all ranks; this rank's share
 
-    # 2. K vines from each state (fewer where free samples top it up; more or fewer with adaptive rules)
-    scores, vine_tokens = vine_rewards(sampler=sampler, sequences=[pooled[k][0] for k in mine],
-                                       prefix_lens=[pooled[k][1] for k in mine],
-                                       prompt_lens=[pooled[k][2] for k in mine],
-                                       answers=[pooled[k][3] for k in mine], grader=grader, K=K, k_mode=k_mode,
-                                       k_round=k_round, k_max=k_max, k_ci=k_ci, temperature=temperature, top_p=top_p,
-                                       max_new_tokens=max_new_tokens, seed=seed, prior=[pooled[k][5] for k in mine])
-    fresh = {}  # key -> (sum, count) of its fresh vines' rewards, from every rank
-    for part in dist.all_gather({key: (sum(sc), len(sc)) for key, sc in zip(mine, scores)}):
-        fresh.update(part)
+    # 2. K vines from each distinct state, over all ranks
+    vines = state_vines(states, sampler=sampler, prompts=prompts, responses=responses, step_starts=step_starts,
+                        answers=answers, grader=grader, K=K, temperature=temperature, top_p=top_p,
+                        max_new_tokens=max_new_tokens, seed=seed, k_mode=k_mode, k_round=k_round, k_max=k_max,
+                        k_ci=k_ci, priors={})
 
-    # 3. The value: the mean reward of the vines (with free samples: and of the others through the state)
+    # 3. The value: the mean reward of the state's vines; past the cap the final reward; the terminal state 0
     values = []
     for i, keys_i in enumerate(states):
-        estimated = [fresh[key][0] / max(fresh[key][1], 1) if free_samples == "off" else
-                     free_value(fresh_sum=fresh[key][0], fresh_count=fresh[key][1], through=through[key],
-                                rewards=rewards, own=i) for key in keys_i]
-        filled = [rewards[i]] * (len(step_starts[i]) - len(keys_i))  # past the cap: V = final reward (gamma = 1)
-        values.append(estimated + filled + [0.0])
-    return values, value_stats(states, keys=keys, scores=scores, vine_tokens=vine_tokens,
-                               through=through if free_samples != "off" else None)
+        estimated = [vines.fresh[key][0] / max(vines.fresh[key][1], 1) for key in keys_i]
+        values.append(estimated + [rewards[i]] * (len(step_starts[i]) - len(keys_i)) + [0.0])
+    return values, value_stats(states, vines)
 
 
-def value_stats(states: list[list[tuple]], *, keys: list[tuple], scores: list[list[float]], vine_tokens: int,
-                through: dict[tuple, list[int]] | None) -> dict:
+def value_stats(states: list[list[tuple]], vines: Vines) -> dict:
     """The values section's metrics over all ranks: distinct states, states asked for, vines, vine tokens, vines per
-    state (mean, most), and with free samples the others through a state (per distinct state of this rank)."""
-    counts = [len(sc) for sc in scores]
-    totals = dist.all_sum(torch.tensor([sum(map(len, states)), vine_tokens, sum(counts)]))
+    state (mean, most)."""
+    counts = [len(sc) for sc in vines.scores]
+    totals = dist.all_sum(torch.tensor([sum(map(len, states)), vines.tokens, sum(counts)]))
     most = max(dist.all_gather(max(counts, default=0)))
-    stats = {"value_states": len(keys), "value_states_requested": int(totals[0]), "vines": int(totals[2]),
-             "vine_tokens": int(totals[1]), "vines_per_state": int(totals[2]) / max(len(keys), 1),
-             "vines_per_state_max": most}
-    if through is not None:  # on every rank alike: dist.mean is collective
-        stats["free_per_state"] = dist.mean([len(members) - 1 for members in through.values()])
-    return stats
+    return {"value_states": len(vines.keys), "value_states_requested": int(totals[0]), "vines": int(totals[2]),
+            "vine_tokens": int(totals[1]), "vines_per_state": int(totals[2]) / max(len(vines.keys), 1),
+            "vines_per_state_max": most}
+
+
+def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], prompt_lens: list[int],
+                answers: list[str], grader: str, K: int, temperature: float, top_p: float, max_new_tokens: int,
+                seed: int = 0) -> tuple[list[list[float]], int]:
+    """The 0/1 rewards of K continuations of every state sequences[i][:prefix_lens[i]] (the first prompt_lens[i]
+    tokens being the prompt), and the number of tokens sampled, in one sample_prefixes call: the diagnostics'
+    fixed-K values (scripts/diagnose.py, scripts/free_samples.py; training's go through state_rewards)."""
+    budgets = [max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)]
+    vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
+                                    max_new_tokens=budgets, seed=seed) if sequences else []
+    scores = [grade_vines(samples, sequence=seq, prefix_len=L, prompt_len=p, answer=answer, grader=grader,
+                          tokenizer=sampler.tokenizer)
+              for seq, L, p, answer, samples in zip(sequences, prefix_lens, prompt_lens, answers, vines)]
+    return scores, sum(len(v.token_ids) for samples in vines for v in samples)

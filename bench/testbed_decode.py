@@ -22,12 +22,13 @@ import time
 
 import torch
 
+from ablations.free_samples import estimate_values
 from bench.sampler import decode_step_matmul_seconds, matmul_gflops
 from data import encode_prompt, load_split
 from engine import HFSampler
 from grader import grade
 from model import load_model, load_tokenizer
-from values import estimate_values, step_token_starts
+from values import step_token_starts
 
 
 def one_iteration(sampler, tokenizer, *, prompts: int, seed: int, free_samples: str = "off") -> dict:

@@ -24,7 +24,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from sampling import nucleus_keep
+from model import nucleus_keep
 
 TOP_K_FIRST = 64  # top-p looks at the 64 likeliest tokens first; rows whose nucleus is wider fall back to a full sort
 

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
+from ablations.adaptive_k import round_sizes
 from checkpoint import load_value_head
 from critic import load_critic
 from config import step_split_problem
 from data import encode_prompt, load_split
 from engine import HFSampler
 from model import load_model, load_tokenizer, new_value_head, pick_dtype, response_logprobs
-from values import mc_rollouts, round_sizes, step_token_starts
+from values import mc_rollouts, step_token_starts
 
 
 @torch.no_grad()

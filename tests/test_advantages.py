@@ -76,7 +76,7 @@ def test_critic_advantages_lambda_one_is_return_minus_value():
 def test_vine_responses_are_decided_on_the_others_of_the_group():
     """A response gets vines where the other responses of its group all got one reward: every response of a silent
     group, the one response that alone differs, a group of one; none where the others differ among themselves."""
-    from advantages import vine_responses
+    from ablations.silent_groups import vine_responses
     rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
     groups = [0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 3]
     assert vine_responses(rewards=rewards, groups=groups) == [True, False, False, True, True, True,
@@ -106,7 +106,8 @@ def expected_vine_update(toy, select, *, n: int = 8, K: int = 9):
     rewards (2^(n-1) patterns, exact), `select(rewards, groups)[0]` times its step advantages (vine_advantages over
     the exact values, in_group_units) times the score functions of its two steps."""
     from itertools import product
-    from advantages import in_group_units, vine_advantages
+    from ablations.silent_groups import in_group_units
+    from advantages import vine_advantages
     trajectories, value_0, value_a, _ = toy
     p = sum(prob * r for _, _, prob, r, _ in trajectories)
     update = torch.zeros(3, dtype=torch.float64)
@@ -128,7 +129,7 @@ def test_the_silent_rule_keeps_the_expected_update_on_the_policy_gradient():
     """On an exact two-step toy (five hard prompts, groups of 8, exact values): deciding vines on the other responses
     (vine_responses) gives an expected update parallel to the true policy gradient; deciding on the whole group's
     silence, the response's own reward included (the rule before), does not: its own reward selects its credit."""
-    from advantages import vine_responses
+    from ablations.silent_groups import vine_responses
     whole_group = lambda rewards, groups: [len(set(rewards)) == 1] * len(rewards)  # noqa: E731
     prompts = [(0.3, (0.1, 0.5), [[0, 1], [0, 1]]), (0.2, (0.2, 0.6), [[0, 0], [0, 1]]),
                (0.5, (0.05, 0.3), [[0, 1], [0, 1]]), (0.1, (0.5, 0.9), [[0, 0], [1, 1]]),
@@ -186,3 +187,14 @@ def test_vines_where_silent_gives_vines_where_the_others_agree_and_grpo_elsewher
                                        sampler=None, scorer=None, tokenizer=None, cfg=vines_where_cfg("all"), seed=0)
     assert asked == [rewards] and None not in values
 
+
+
+def test_vine_temperature_is_the_rollouts_unless_set():
+    """--vine-temperature: 0 keeps the paper's (the rollouts' temperature); a value above 0 replaces it; below 0 is
+    refused at parse time."""
+    from ablations.vine_temperature import vine_temperature
+    from config import parse_config
+    assert vine_temperature(rollout=0.6, vine=0.0) == 0.6 and vine_temperature(rollout=0.6, vine=0.3) == 0.3
+    assert parse_config(["--device", "cpu"]).vine_temperature == 0.0
+    with pytest.raises(SystemExit):
+        parse_config(["--device", "cpu", "--vine-temperature", "-1"])

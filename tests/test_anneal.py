@@ -96,8 +96,8 @@ def test_the_plan_runs_grpo_seed_by_seed_then_vine_and_the_low_lrs_from_decay_an
 
 
 def test_probe_on_a_tiny_model_reports_every_figure(tmp_path, monkeypatch):
-    from data import load_split
-    from scratch import new_scratch_model, prompt_chars, task_chars
+    from data import load_split, prompt_chars, task_chars
+    from model import new_scratch_model
     monkeypatch.setattr(anneal_probes, "PROMPTS", 4)
     monkeypatch.setattr(anneal_probes, "VALIDATION", 6)
     monkeypatch.setattr(anneal_probes, "GOLD", 8)

@@ -8,8 +8,9 @@ import torch
 
 from config import step_split_problem
 from runlog import response_steps
-from scratch import char_tokenizer
-from values import spread, step_token_starts, text_step_starts
+from model import char_tokenizer
+from ablations.branching import spread
+from values import step_token_starts, text_step_starts
 
 TEXT = "13*3=39\n39-3=36\n36-30=6\n####6"  # 29 characters = tokens; three steps (the answer line joins the last)
 TOKENIZER = char_tokenizer("0123456789+-*=#\n")
@@ -122,7 +123,7 @@ def test_entropy_pass_gives_the_update_the_same_old_logprobs(tmp_path):
 
     from model import Scorer
     from ppo import batch_logprobs, micro_batches, pad_episodes, score_batch
-    from scratch import new_scratch_model
+    from model import new_scratch_model
     chars = "0123456789+-*=#\n"
     model = AutoModelForCausalLM.from_pretrained(new_scratch_model(tmp_path / "m", chars=chars, layers=2, width=32,
                                                                    heads=2, seed=0))

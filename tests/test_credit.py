@@ -119,8 +119,8 @@ def test_credit_flags_bad_values_are_one_line(tmp_path):
 
 def test_diagnose_on_a_tiny_model_reports_every_figure_in_range(tmp_path):
     """The diagnostic end to end on a random 2-layer character model: the numbers it reports are proportions."""
-    from data import load_split
-    from scratch import new_scratch_model, prompt_chars, task_chars
+    from data import load_split, prompt_chars, task_chars
+    from model import new_scratch_model
     chars = task_chars(load_split("chain", "train", arith_ops=2, chain_filler=2)) + prompt_chars("plain",
                                                                                                  grader="chain")
     model = new_scratch_model(tmp_path / "m", chars=chars, layers=2, width=32, heads=2, seed=0)

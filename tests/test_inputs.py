@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from data import input_problem, load_split, make_prompt
-from scratch import char_tokenizer, new_scratch_model, prompt_chars, task_chars
+from data import input_problem, load_split, make_prompt, prompt_chars, task_chars
+from model import char_tokenizer, new_scratch_model
 
 TASKS = {"chain": dict(arith_ops=4), "arith": dict(arith_ops=2), "gsm8k": {}, "math": {}}
 

@@ -250,7 +250,8 @@ def test_resample_silent_grows_only_the_silent_groups_and_counts_what_it_found()
     (same prompt, answer, group index), graded; a mixed group is left as it was; the stats count the silent groups
     and the share the fresh responses gave contrast."""
     from types import SimpleNamespace
-    from rollout import Episodes, resample_silent
+    from ablations.silent_groups import resample_silent
+    from rollout import Episodes
     asked = []
 
     class Scripted:
@@ -278,7 +279,8 @@ def test_a_grown_batch_takes_exactly_the_plain_batchs_steps_in_near_equal_miniba
     """--resample-silent: a batch grown past prompts x samples is split into exactly the plain batch's number of
     minibatches (8 for 512 episodes in minibatches of 64, micro-batches of 32), the largest at most twice the
     smallest, every episode in one; the sizes the grid met (544, 1322, 1538) and every size up to 4,000."""
-    from ppo import micro_batches, minibatch_groups, plain_steps
+    from ablations.silent_groups import plain_steps
+    from ppo import micro_batches, minibatch_groups
     steps = plain_steps(episodes=512, minibatch=64, micro=32)
     assert steps == 8 and plain_steps(episodes=16, minibatch=8, micro=2) == 2
     assert len(minibatch_groups(micro_batches(512, size=32), 64)) == 8  # the plain batch, bundled as before

@@ -11,7 +11,8 @@ import torch
 import dist
 import rollout
 from config import parse_config
-from sampling import nucleus_keep, nucleus_log_mass, row_seed
+from model import nucleus_keep, nucleus_log_mass
+from sampling import row_seed
 from values import estimate_values
 
 

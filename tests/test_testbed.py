@@ -1,6 +1,6 @@
-"""The testbed's pieces: the chain task, the character tokenizer and the from-scratch model (scratch.py), the gradient
-signal (ppo.half_cosine), their flags' one-line errors, a data file that is not UTF-8, and (slow) sft.py --model scratch
-then two train.py iterations of every estimator from it."""
+"""The testbed's pieces: the chain task, the character tokenizer and the from-scratch model
+(model.new_scratch_model), the gradient signal (ppo.half_cosine), their flags' one-line errors, a data file that is
+not UTF-8, and (slow) sft.py --model scratch then two train.py iterations of every estimator from it."""
 import json
 import subprocess
 import sys
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from data import load_split, make_arith, make_chain
+from data import load_split, make_arith, make_chain, task_chars
 from grader import grade
+from model import char_tokenizer, new_scratch_model
 from ppo import half_cosine
-from scratch import char_tokenizer, new_scratch_model, task_chars
 from values import split_steps
 
 

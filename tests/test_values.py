@@ -136,7 +136,8 @@ def test_free_samples_leave_one_out_on_a_hand_built_group():
     """--free-samples: the other responses through a state are samples of its value; a response's own reward never
     enters its own states' values. States of the group (prompt [7, 7]): [] and [0] are passed through by all three
     responses, [0, 1] by responses 0 and 1 (response 1 has no boundary of its own there), [0, 1, 2] by 0, [0, 2] by 2."""
-    from values import responses_through, round_sizes
+    from ablations.adaptive_k import round_sizes
+    from ablations.free_samples import estimate_values, responses_through
     prompt, responses = [7, 7], [[0, 1, 2, 3, 9], [0, 1, 4, 9], [0, 2, 3, 9]]
     starts, rewards = [[0, 1, 2, 3], [0, 1], [0, 1, 2]], [1.0, 0.0, 1.0]
     sequences = [tuple(prompt + r) for r in responses]
@@ -207,7 +208,7 @@ def run_modes(k_mode, seed=0, **kwargs):
 
 
 def test_stopping_rules_on_hand_made_rewards():
-    from values import round_sizes, wilson_width
+    from ablations.adaptive_k import round_sizes, wilson_width
     assert wilson_width(0, 3) == pytest.approx(0.56, abs=0.01) and wilson_width(3, 3) == wilson_width(0, 3)
     assert wilson_width(1, 3) > wilson_width(0, 3) > wilson_width(0, 9) > wilson_width(0, 27)
     rules = dict(K=9, k_round=3, k_max=12, k_ci=0.6)
@@ -225,7 +226,7 @@ def test_stopping_rules_on_hand_made_rewards():
 
 def test_budget_never_exceeds_its_budget_and_gives_every_state_a_round():
     import random
-    from values import round_sizes
+    from ablations.adaptive_k import round_sizes
     for K, k_round, states in ((9, 3, 7), (2, 3, 4), (9, 4, 1), (5, 3, 6)):
         rng, rewards = random.Random(K), [[] for _ in range(states)]
         truth = [rng.random() for _ in range(states)]
@@ -296,7 +297,8 @@ def test_rounds_without_barriers_give_the_rounds_results(k_mode):
     through requests is a single call of K (row_seed(seed, 0, K)). With generate's and vLLM's sample_requests
     (requests_in_waves), the sample_prefixes calls are the rounds one after another, one call per round and vine
     count, of seed row_seed(seed, round, n), its states in order, rows keyed by their place in the call."""
-    from values import mc_rollouts, round_sizes, vine_rewards
+    from ablations.adaptive_k import round_sizes, vine_rewards
+    from values import mc_rollouts
     p = {0: 0.0, 1: 0.5, 2: 1.0, 3: 0.3, 4: 0.6}
     lens = [2, 3, 4, 5, 6, 3, 4]  # prefix lengths (the prompt is 2 tokens); two pairs of states share a prefix
     sequences, rule = [[7, 7, 0, 1, 2, 3, 9]] * len(lens), dict(K=9, k_round=3, k_max=15, k_ci=0.45)

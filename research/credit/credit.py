@@ -141,7 +141,8 @@ def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int
     import torch
 
     from advantages import group_baseline_advantages
-    from values import estimate_values, responses_through
+    from ablations.free_samples import responses_through
+    from values import estimate_values
     torch.set_num_threads(1)
     sampler, batch, keys = sample_groups(model_dir, prompts=prompts, seed=seed, ops=ops, filler=filler,
                                          max_new_tokens=16 * ops + 4 * filler, batch_size=512)

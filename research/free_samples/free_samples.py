@@ -125,7 +125,7 @@ def value_errors(model_dir: Path, *, prompts: int, truth: int, seed: int) -> str
     free + top-up to 9 (topup), against the mean of `truth` fresh vines per distinct state. Mean absolute error over
     (response, state) pairs (all, and states of intermediate truth), siblings (two states after one parent) ordered
     like the truth where it differs by >= 0.05, and the fresh vines each variant sampled."""
-    from values import estimate_values
+    from ablations.free_samples import estimate_values
     sampler, batch, keys = sample_groups(model_dir, prompts=prompts, seed=seed)
     true = true_values(sampler, batch, keys, truth=truth, seed=seed + 1)
     distinct = sorted(true)
