@@ -63,7 +63,7 @@ class Config:
                                    "other responses through the state (leave-one-out); topup: fresh vines only where "
                                    "those fall short of K (--k-mode fixed only)",
                             choices=["off", "add", "topup"])
-    vines_where: str = arg("all", "where vines are sampled (docs/vines-where.md): all (the paper: every state of "
+    vines_where: str = arg("all", "where vines are sampled (research/vines_where): all (the paper: every state of "
                                   "every response); silent: only for the responses whose group's others all got one "
                                   "reward (a silent group, or the one response that differs), the others take grpo's "
                                   "advantages", choices=["all", "silent"])
@@ -264,7 +264,7 @@ def parse_config(argv=None) -> Config:
     if cfg.free_samples == "topup" and cfg.k_mode != "fixed":
         parser.error(f"--free-samples topup takes --k-mode fixed only (got {cfg.k_mode}): with adaptive or official "
                      f"K, how many vines a state gets would depend on the rewards of the responses whose values they "
-                     f"set (a bias, docs/free-samples.md); budget shares vines over all states, not state by state")
+                     f"set (a bias, research/free_samples); budget shares vines over all states, not state by state")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
     if cfg.threads < 0:

@@ -362,7 +362,7 @@ def make_chain(count: int, *, seed: int, ops: int, max_number: int, filler: int 
     drawn uniformly from FILLER_TAGS that the reward ignores, dealt round-robin into the gaps after the operation
     lines (the first gap first): the horizon grows, the arithmetic does not (the credit issue's filler control).
     bug (a CHAIN_BUGS key): the solutions are a buggy solver's (bugged_solution, at bug_rate), the answers still the
-    right ones: demonstrations that SFT cannot see past (the paper-regime tasks, docs/paper-regime.md)."""
+    right ones: demonstrations that SFT cannot see past (the paper-regime tasks, research/paper_regime)."""
     examples, tags, coins = [], random.Random(f"filler {seed}"), random.Random(f"bug {seed}")
     for e in make_arith(count, seed=seed, ops=ops, max_number=max_number):
         steps = [line.split(" ") for line in e["solution"].split("\n")[:-1]]  # ["13", "*", "3", "=", "39"]

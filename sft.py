@@ -69,7 +69,7 @@ class SFTConfig:
     lr: float = arg(1e-5, "AdamW peak learning rate (official: 1e-5 for the 1.1B model, 5e-5 for 7B)")
     warmup_ratio: float = arg(0.03, "fraction of optimizer steps spent warming up, then linear decay to 0")
     lr_decay: bool = arg(True, "decay the learning rate linearly to 0 after warmup (--no-lr-decay: constant, the start "
-                               "to hand RL: RL barely moved or lowered models decayed to 0, docs/sft-for-rl.md)")
+                               "to hand RL: RL barely moved or lowered models decayed to 0, research/anneal)")
     decay_steps: int = arg(0, "decay over the last this many steps only, constant before (warmup-stable-decay); 0: "
                               "over every step after warmup")
     lr_floor: float = arg(0.0, "the decay ends at this fraction of --lr instead of 0")
@@ -94,7 +94,7 @@ class SFTConfig:
     chain_filler: int = arg(0, "chain: filler lines after the operation lines (as train.py)")
     chain_bug: str = arg("none", "chain: the train demonstrations are a buggy solver's, the answers still right: borrow "
                                  "(a subtraction that needs a borrow done without it) or borrow-carry (and an addition "
-                                 "without its carry), on --chain-bug-rate of those lines (docs/paper-regime.md)",
+                                 "without its carry), on --chain-bug-rate of those lines (research/paper_regime)",
                          choices=["none", "borrow", "borrow-carry"])
     chain_bug_rate: float = arg(0.7, "--chain-bug: the share of the lines needing a borrow (carry) done wrong")
     save_every: int = arg(100, "write a checkpoint every this many steps (and at the end, and on Ctrl-C)")

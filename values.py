@@ -318,7 +318,7 @@ def mc_rollouts(*, sampler, sequences: list[list[int]], prefix_lens: list[int], 
                 seed: int = 0) -> tuple[list[list[float]], int]:
     """The 0/1 rewards of K continuations of every state sequences[i][:prefix_lens[i]] (the first prompt_lens[i]
     tokens being the prompt), and the number of tokens sampled, in one sample_prefixes call: the diagnostics'
-    fixed-K values (scripts/diagnose.py, scripts/free_samples.py; training's go through state_rewards)."""
+    fixed-K values (scripts/diagnose.py, research/free_samples; training's go through state_rewards)."""
     budgets = [max_new_tokens - (L - p) for L, p in zip(prefix_lens, prompt_lens)]
     vines = sampler.sample_prefixes(sequences, prefix_lens, n=K, temperature=temperature, top_p=top_p,
                                     max_new_tokens=budgets, seed=seed) if sequences else []

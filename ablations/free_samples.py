@@ -1,4 +1,4 @@
-"""--free-samples add / topup: the group's own responses as samples of a state's value (docs/free-samples.md).
+"""--free-samples add / topup: the group's own responses as samples of a state's value (research/free_samples).
 
 Every response of a prompt that passes through a state (its tokens begin with the state's) is, from the state on, a
 sample of the policy, as a vine is: its reward is a free sample of the state's value. For response i:

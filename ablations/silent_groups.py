@@ -1,5 +1,5 @@
 """--vines-where silent and --resample-silent: what to do with the groups whose responses all got one reward
-(docs/vines-where.md). In such a "silent" group grpo's advantages are all 0: no signal.
+(research/vines_where). In such a "silent" group grpo's advantages are all 0: no signal.
 
 --vines-where silent: vines only for the responses whose group's others all agree (vine_responses: every response of
 a silent group, and the one response that differs from all the others); their step advantages put in grpo's units

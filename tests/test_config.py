@@ -43,7 +43,7 @@ def one_error_line(argv, capsys) -> str:
     *[(["--free-samples", "topup", "--k-mode", mode],
        f"--free-samples topup takes --k-mode fixed only (got {mode}): with adaptive or official K, how many vines a "
        "state gets would depend on the rewards of the responses whose values they set (a bias, "
-       "docs/free-samples.md); budget shares vines over all states, not state by state")
+       "research/free_samples); budget shares vines over all states, not state by state")
       for mode in ("budget", "adaptive", "official")],
     (["--free-samples", "add", "--estimator", "grpo"],
      "--free-samples add feeds vines, which --estimator grpo does not sample: drop it, or use "
