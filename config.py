@@ -145,24 +145,54 @@ class Config:
     total_steps: int | None = field(default=None, metadata=dict(derived=True))  # optimizer steps of the whole run
 
 
-def parse_dataclass(cls, argv=None, *, description: str | None = None):
+# --help in groups, the paper's flags first: group title -> the Config fields in it, in the order shown
+GROUPS = {
+    "the paper and its baselines": [
+        "estimator", "k", "gamma", "lam", "clip", "kl_coef", "lr", "lr_decay", "warmup_ratio", "weight_decay", "epochs",
+        "prompts_per_iter", "samples_per_prompt", "minibatch_size", "micro_batch_size", "max_grad_norm",
+        "temperature", "top_p", "max_new_tokens", "max_value_steps", "whiten", "critic", "value_lr", "vf_coef",
+        "value_clip", "iterations", "seed"],
+    "data and model": ["dataset", "grader", "data_dir", "model", "prompt_format", "trust_remote_code", "arith_ops",
+                       "arith_max", "chain_filler"],
+    "ablations (ablations/)": ["k_mode", "k_round", "k_max", "k_ci", "free_samples", "vines_where", "resample_silent",
+                               "vine_temperature", "step_split", "tis_cap"],
+    "machine and precision": ["device", "dtype", "threads", "sampler", "gen_batch_size", "vllm_gpu_memory",
+                              "vllm_max_batched_tokens", "vllm_sleep", "fsdp"],
+    "evaluation, logging and checkpoints": ["eval_every", "eval_every_seconds", "eval_size", "eval_samples",
+                                            "eval_temperature", "eval_greedy", "track", "out_dir", "save_every",
+                                            "resume", "overwrite", "time_budget"],
+}
+
+
+def parse_dataclass(cls, argv=None, *, description: str | None = None, groups: dict[str, list[str]]):
     """(parser, an instance of the dataclass `cls` from argv): one flag per field (--some-name for some_name), its
-    help text and choices from the field's `arg`; fields marked derived are no flags. Checks and derived values are
-    the caller's, reported with parser.error."""
+    help text and choices from the field's `arg`, listed by --help under its group (`groups`: title -> field names,
+    every flag in exactly one); fields marked derived are no flags. Checks and derived values are the caller's,
+    reported with parser.error."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s [flags] (--help lists every flag and its default)")
-    for f in dataclasses.fields(cls):
-        if f.metadata.get("derived"):
-            continue
-        name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
-        if f.default is not None:  # None defaults say in their text what they become
-            meta["help"] += " (default: %(default)s)"
-        if f.type is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, **meta)
-        else:  # `int | None` parses as int
-            kind = next(t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None))
-            parser.add_argument(name, type=kind, default=f.default, **meta)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("derived")}
+    grouped = [name for names in groups.values() for name in names]
+    if sorted(grouped) != sorted(fields):
+        raise ValueError(f"{cls.__name__}: --help groups miss {sorted(set(fields) - set(grouped))} or repeat or "
+                         f"invent {sorted(n for n in set(grouped) if grouped.count(n) > 1 or n not in fields)}")
+    for title, names in groups.items():
+        group = parser.add_argument_group(title)
+        for f in (fields[n] for n in names):
+            add_flag(group, f)
     return parser, cls(**vars(parser.parse_args(argv)))
+
+
+def add_flag(group, f: dataclasses.Field):
+    """One dataclass field as a flag of an argparse group."""
+    name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+    if f.default is not None:  # None defaults say in their text what they become
+        meta["help"] += " (default: %(default)s)"
+    if f.type is bool:
+        group.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, **meta)
+    else:  # `int | None` parses as int
+        kind = next(t for t in getattr(f.type, "__args__", (f.type,)) if t is not type(None))
+        group.add_argument(name, type=kind, default=f.default, **meta)
 
 
 def check_sampling_and_resume(parser, cfg):
@@ -176,7 +206,7 @@ def check_sampling_and_resume(parser, cfg):
 
 
 def parse_config(argv=None) -> Config:
-    parser, cfg = parse_dataclass(Config, argv, description=__doc__)
+    parser, cfg = parse_dataclass(Config, argv, description=__doc__, groups=GROUPS)
     # Derived values: what the data set is and how it is graded; paper sizes on a GPU, CPU sizes otherwise.
     problem = dataset_problem(cfg.dataset)
     if problem:

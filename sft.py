@@ -12,7 +12,7 @@ then linear decay (ppo.make_optimizer); pass@1 on the test split before and afte
     OUT/ckpt-NNNNNN/, OUT/latest                          the last checkpoint, for --resume (checkpoint.py)
 
 --stop-at P ends the run at the first check (every --stop-every steps) where greedy pass@1 on the validation split
-reaches P: a start at a chosen pass@1 for tasks of different difficulty (the credit issue's lengths). --keep-best
+reaches P: a start at a chosen pass@1 for tasks of different difficulty (the credit study's lengths). --keep-best
 checks the same pass@1 and ends with the best checkpoint, as the paper's SFT (run to convergence, the lr decayed).
 
 Under torchrun (`torchrun --nproc_per_node=N sft.py ...`, dist.py) each rank takes batch_size / N instances of every
@@ -124,8 +124,22 @@ def defining_changes(saved: dict, cfg: SFTConfig) -> list[str]:
             if saved.get(k) != getattr(cfg, k)]
 
 
+SFT_GROUPS = {  # --help in groups, SFT's own flags first
+    "supervised fine-tuning": ["dataset", "model", "prompt_format", "epochs", "max_steps", "lr", "warmup_ratio",
+                               "lr_decay", "decay_steps", "lr_floor", "weight_decay", "max_grad_norm", "batch_size",
+                               "micro_batch_size", "max_length", "seed"],
+    "data": ["grader", "data_dir", "arith_ops", "arith_max", "chain_filler", "chain_bug", "chain_bug_rate",
+             "trust_remote_code"],
+    "a model from scratch (--model scratch)": ["scratch_layers", "scratch_width", "scratch_heads"],
+    "validation: stop at a pass@1, keep the best": ["stop_at", "stop_every", "stop_size", "keep_best"],
+    "machine and precision": ["dtype", "device", "threads", "gen_batch_size", "fsdp"],
+    "evaluation, logging and checkpoints": ["eval_size", "eval_samples", "eval_temperature", "top_p",
+                                            "max_new_tokens", "out_dir", "save_every", "resume", "overwrite"],
+}
+
+
 def parse_sft_config(argv=None) -> SFTConfig:
-    parser, cfg = parse_dataclass(SFTConfig, argv, description=__doc__)
+    parser, cfg = parse_dataclass(SFTConfig, argv, description=__doc__, groups=SFT_GROUPS)
     problem = dataset_problem(cfg.dataset)
     if problem:
         parser.error(f"--dataset {cfg.dataset}: {problem}")

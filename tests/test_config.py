@@ -5,7 +5,7 @@ import json
 import pytest
 
 import model as model_mod
-from config import config_changes, parse_config
+from config import Config, config_changes, parse_config
 
 
 def one_error_line(argv, capsys) -> str:
@@ -160,3 +160,19 @@ def test_resume_refuses_a_changed_data_set_or_grader(tmp_path):
     assert defining == ["--grader number -> math"]
     old = {k: v for k, v in dataclasses.asdict(parse_config(["--device", "cpu"])).items() if k not in ("grader", "task")}
     assert config_changes(old, parse_config(["--device", "cpu"])) == ([], [])  # a checkpoint from before --grader
+
+
+def test_help_lists_the_papers_flags_first_in_groups(capsys):
+    """--help in argparse groups (config.GROUPS, sft.SFT_GROUPS), every flag in exactly one; the paper's first."""
+    import sft
+    from config import GROUPS, parse_dataclass
+    for argv_parse, first in ((parse_config, "the paper and its baselines:"), (sft.parse_sft_config,
+                                                                                 "supervised fine-tuning:")):
+        with pytest.raises(SystemExit):
+            argv_parse(["--help"])
+        text = capsys.readouterr().out
+        titles = [line for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+        assert titles[titles.index("options:") + 1] == first, titles  # after argparse's own "options:"
+    assert GROUPS["the paper and its baselines"][:2] == ["estimator", "k"]
+    with pytest.raises(ValueError, match="miss"):
+        parse_dataclass(Config, [], groups={"one": ["dataset"]})
