@@ -7,6 +7,8 @@ iteration in progress.
                           .tmp-ckpt-* and renamed
     OUT/latest            names the committed checkpoint; a checkpoint counts once `latest` names it
     OUT/start.json        the model the run started from and the sha256 of its weights (record_start)
+    OUT/best/             sft.py --keep-best: the best validation checkpoint, swapped in only after the checkpoint of
+                          its step (best_so_far, save_best, swap_best, load_best)
 
 On start: temp folders of dead saves are removed, and so are checkpoints newer than `latest` (a kill came between
 their rename and the pointer's update). On resume: metrics lines past the checkpoint, and a torn last line, are
@@ -262,3 +264,57 @@ class Saver:
     def save(self):
         save_checkpoint(self.out_dir, iteration=self.completed, python_rng=self.python_rng, torch_rng=self.torch_rng,
                         train_seconds=self.train_seconds, **self.parts)
+
+
+# sft.py --keep-best: the best validation checkpoint, kept beside the run's checkpoints
+
+
+def best_so_far(out_dir: Path, *, upto: int) -> dict:
+    """--keep-best: the step and validation pass@1 of the model in out_dir/best, or step 0 if none, once what a kill
+    cut off is settled: a swap half done is finished, and a new best staged in out_dir/.tmp-best (save_best) is
+    swapped in if the checkpoint a resume starts from (step `upto`) covers it, else dropped: its step will be
+    trained again, and a replay that is not bit-identical (another CPU kind) must not end with the abandoned
+    run's model."""
+    best, old, staged = out_dir / "best", out_dir / "best.old", out_dir / ".tmp-best"
+    if old.exists():
+        if best.exists():
+            shutil.rmtree(old)
+        else:
+            old.rename(best)
+    if (staged / "best.json").exists() and json.loads((staged / "best.json").read_text())["step"] <= upto:
+        swap_best(out_dir)
+    shutil.rmtree(staged, ignore_errors=True)
+    if not (best / "best.json").exists():
+        return {"step": 0, "validation_accuracy": -1.0}
+    return json.loads((best / "best.json").read_text())
+
+
+def save_best(out_dir: Path, *, policy, tokenizer, step: int, accuracy: float) -> dict:
+    """--keep-best: the model as an HF folder staged in out_dir/.tmp-best, best.json written last; swap_best moves it
+    into out_dir/best once the checkpoint of the same step is written."""
+    staged = out_dir / ".tmp-best"
+    shutil.rmtree(staged, ignore_errors=True)
+    policy.save_pretrained(staged)
+    tokenizer.save_pretrained(staged)
+    record = {"step": step, "validation_accuracy": accuracy}
+    (staged / "best.json").write_text(json.dumps(record))
+    return record
+
+
+def swap_best(out_dir: Path):
+    """--keep-best: the staged best (save_best) in place of out_dir/best (the old one kept as best.old until then)."""
+    staged, best, old = out_dir / ".tmp-best", out_dir / "best", out_dir / "best.old"
+    if best.exists():
+        best.rename(old)
+    staged.rename(best)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_best(out_dir: Path, policy):
+    """--keep-best, at the end: the best checkpoint's weights into the policy (a tied output layer is not saved)."""
+    from safetensors.torch import load_file
+    missing, unexpected = policy.load_state_dict(load_file(out_dir / "best" / "model.safetensors"), strict=False)
+    tied = {"lm_head.weight"} if policy.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise SystemExit(f"error: {out_dir / 'best'}: not this run's model (missing {missing}, unexpected "
+                         f"{unexpected})")

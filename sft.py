@@ -20,7 +20,6 @@ step, DDP or --fsdp (FSDP2), and rank 0 writes the files; the step is the one a 
 Shapes: B = instances in a micro-batch, P = prompt length (left-padded), R = target length (right-padded), T = P + R.
 """
 import dataclasses
-import json
 import os
 import random
 import re
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 import dist
-from checkpoint import Saver, open_run, repair_metrics, restore
+from checkpoint import Saver, best_so_far, load_best, open_run, repair_metrics, restore, save_best, swap_best
 from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
 from data import (dataset_problem, encode_prompt, input_problem, load_split, load_splits, prompt_chars, task_chars,
                   task_of)
@@ -290,57 +289,6 @@ def validate(sampler, policy, tokenizer, validation: list[dict], cfg: SFTConfig,
     record["validation_accuracy"], record["validation_se"] = evaluate(sampler, tokenizer, validation, greedy,
                                                                       seed=cfg.seed)
     return record["validation_accuracy"]
-
-
-def best_so_far(out_dir: Path, *, upto: int) -> dict:
-    """--keep-best: the step and validation pass@1 of the model in out_dir/best, or step 0 if none, once what a kill
-    cut off is settled: a swap half done is finished, and a new best staged in out_dir/.tmp-best (save_best) is
-    swapped in if the checkpoint a resume starts from (step `upto`) covers it, else dropped: its step will be
-    trained again, and a replay that is not bit-identical (another CPU kind) must not end with the abandoned
-    run's model."""
-    best, old, staged = out_dir / "best", out_dir / "best.old", out_dir / ".tmp-best"
-    if old.exists():
-        if best.exists():
-            shutil.rmtree(old)
-        else:
-            old.rename(best)
-    if (staged / "best.json").exists() and json.loads((staged / "best.json").read_text())["step"] <= upto:
-        swap_best(out_dir)
-    shutil.rmtree(staged, ignore_errors=True)
-    if not (best / "best.json").exists():
-        return {"step": 0, "validation_accuracy": -1.0}
-    return json.loads((best / "best.json").read_text())
-
-
-def save_best(out_dir: Path, *, policy, tokenizer, step: int, accuracy: float) -> dict:
-    """--keep-best: the model as an HF folder staged in out_dir/.tmp-best, best.json written last; swap_best moves it
-    into out_dir/best once the checkpoint of the same step is written."""
-    staged = out_dir / ".tmp-best"
-    shutil.rmtree(staged, ignore_errors=True)
-    policy.save_pretrained(staged)
-    tokenizer.save_pretrained(staged)
-    record = {"step": step, "validation_accuracy": accuracy}
-    (staged / "best.json").write_text(json.dumps(record))
-    return record
-
-
-def swap_best(out_dir: Path):
-    """--keep-best: the staged best (save_best) in place of out_dir/best (the old one kept as best.old until then)."""
-    staged, best, old = out_dir / ".tmp-best", out_dir / "best", out_dir / "best.old"
-    if best.exists():
-        best.rename(old)
-    staged.rename(best)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load_best(out_dir: Path, policy):
-    """--keep-best, at the end: the best checkpoint's weights into the policy (a tied output layer is not saved)."""
-    from safetensors.torch import load_file
-    missing, unexpected = policy.load_state_dict(load_file(out_dir / "best" / "model.safetensors"), strict=False)
-    tied = {"lm_head.weight"} if policy.config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise SystemExit(f"error: {out_dir / 'best'}: not this run's model (missing {missing}, unexpected "
-                         f"{unexpected})")
 
 
 def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
