@@ -53,7 +53,12 @@ def test_report_reads_k_gaps_on_c_and_a_gap_on_two_starts(tmp_path):
             for arm, (level, step) in arms.items():
                 fake_run(folder / f"{arm}-s{seed}", evals=[0.3] + [level + step * seed] * 10, final=level)
         starts[label] = folder
+    (starts["C"] / "diagnostics-critic").mkdir()
+    (starts["C"] / "diagnostics-critic" / "value_error.json").write_text(json.dumps({"summary": {
+        "vine K=9": {"mae": 0.02, "ranking_accuracy": 1.0, "expected_mae": 0.018}, "critic": {"mae": 0.46,
+                                                                                                "ranking_accuracy": 0.36}}}))
     text = starts_report.report(tmp_path, starts={"hard": starts})
+    assert "| vine K=9 | 0.020 | 0.018 | 1.00 |" in text and "| critic | 0.460 | – | 0.36 |" in text
     assert "| vine-k1 − critic | +0.030 ± 0.000 (3) * |" in text and "| vine-k1 − grpo | +0.040 ± 0.006 (3) * |" in text
     assert ("| hard | vine − grpo | per iteration | +0.090 ± 0.006 (3) * | – | +0.120 ± 0.006 (3) * | "
             "C − A: +0.030 ± 0.008 * |") in text

@@ -150,6 +150,16 @@ def report(out: Path, starts: dict[str, dict[str, Path]] = STARTS) -> str:
         gaps = {axis: paired(c, arm, base, axis) for axis in AXES}
         data["k"][f"{arm} − {base}"] = gaps
         lines.append(f"| {arm} − {base} | " + " | ".join(gap_cell(gaps[a]) for a in AXES) + " |")
+    fig3 = starts.get("hard", {}).get("C", Path("-")) / "diagnostics-critic" / "value_error.json"
+    if fig3.exists():  # scripts.diagnose on C's critic-s0: each estimator's error against 256-continuation truth
+        summary = json.loads(fig3.read_text())["summary"]
+        data["fig3"] = summary
+        lines += ["", "Fig. 3 on C (scripts.diagnose on critic-s0's last checkpoint; MAE of V against the truth, "
+                  "sibling pairs ordered right):", "", "| estimator | MAE | expected MAE (binomial) | siblings right |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| {name} | {v['mae']:.3f} | {v['expected_mae']:.3f} | {v['ranking_accuracy']:.2f} |"
+                  if "expected_mae" in v else f"| {name} | {v['mae']:.3f} | – | {v['ranking_accuracy']:.2f} |"
+                  for name, v in summary.items()]
     lines += ["", "## Every gap on every start that has both arms", "",
               "| task | gap | axis | " + " | ".join(["A", "B", "C"]) + " | largest disagreement (± SE) |",
               "| --- " * 7 + "|"]
