@@ -33,12 +33,18 @@ def axis_curve(records: list[dict], axis: str) -> list[tuple[float, float]]:
     return token_curve(records) if axis == "tokens" else eval_curve(records, x=axis)
 
 
+def iteration_mean(records: list[dict]) -> float:
+    """A run's mean greedy pass@1 over its evaluations after iteration 0 (the per-iteration axis)."""
+    trained = axis_curve(records, "iteration")[1:]
+    return sum(a for _, a in trained) / len(trained)
+
+
 def pair_gap(records: list[dict], base: list[dict], *, axis: str) -> float:
     """A run's pass@1 minus another's (same seed) on one axis: per iteration the difference of the means over the
     evaluations after 0; per token or minute the difference of the held curves' means up to the shorter run's end."""
-    mine, theirs = axis_curve(records, axis), axis_curve(base, axis)
     if axis == "iteration":
-        return sum(a for _, a in mine[1:]) / len(mine[1:]) - sum(a for _, a in theirs[1:]) / len(theirs[1:])
+        return iteration_mean(records) - iteration_mean(base)
+    mine, theirs = axis_curve(records, axis), axis_curve(base, axis)
     budget = min(mine[-1][0], theirs[-1][0])
     return area(mine, minutes=budget) - area(theirs, minutes=budget)
 
@@ -63,8 +69,7 @@ def task_summary(task_dir: Path, *, arms: dict[str, list[str]], pairs: list[tupl
         trained = {s: [r for r in records if r["iteration"] > 0] for s, records in by_seed.items()}
         per_seed = {s: {"final_paper": finals[arm][s][PAPER_EVAL][0] if s in finals[arm] else None,
                         "final_greedy": finals[arm][s][GREEDY][0] if s in finals[arm] else None,
-                        "mean_greedy": sum(a for _, a in axis_curve(by_seed[s], "iteration")[1:]) /
-                        len(axis_curve(by_seed[s], "iteration")[1:]),
+                        "mean_greedy": iteration_mean(by_seed[s]),
                         "silent": sum(silent_share(r) for r in t) / len(t),
                         "silent_first": silent_share(t[0]),
                         "silent_found": sum(r.get("resample_found_frac", r.get("silent_found_frac", 0.0))
@@ -181,8 +186,7 @@ def start_shift(starts: dict[str, Path], *, arms: list[str]) -> str:
         seeds = sorted(set(runs[first].get(arm, {})) & set(runs[second].get(arm, {})))
         if not seeds:
             continue
-        mean = {label: {s: sum(x for _, x in axis_curve(runs[label][arm][s], "iteration")[1:]) /
-                        len(axis_curve(runs[label][arm][s], "iteration")[1:]) for s in seeds} for label in starts}
+        mean = {label: {s: iteration_mean(runs[label][arm][s]) for s in seeds} for label in starts}
         final = {label: {s: json.loads((d / f"{arm}-s{s}" / "final.json").read_text())[PAPER_EVAL][0] for s in seeds}
                  for label, d in starts.items()}
         cells = [gap_cell([x[second][s] - x[first][s] for s in seeds]) for x in (mean, final)]
