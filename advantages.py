@@ -25,7 +25,7 @@ from ablations.silent_groups import silent_advantages, vine_responses
 from ablations.vine_temperature import vine_temperature
 from critic import critic_values
 from ppo import batch_logprobs, pad_rows
-from values import estimate_values, step_token_starts, token_step_index
+from values import estimate_values, step_token_starts
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, *, gamma: float, lam: float) -> torch.Tensor:
@@ -49,6 +49,16 @@ def step_rewards(n_steps: int, reward: float) -> torch.Tensor:
 def token_advantages(step_advantages: torch.Tensor, token_step: list[int]) -> torch.Tensor:
     """(L,) each token takes its step's advantage; token_step[t] is token t's step (EOS: the last step)."""
     return step_advantages[torch.tensor(token_step, dtype=torch.long)]  # (L,)
+
+
+def token_step_index(n_tokens: int, starts: list[int]) -> list[int]:
+    """For each response token, the index of its step (EOS and trailing tokens belong to the last step)."""
+    index, step = [], 0
+    for t in range(n_tokens):
+        while step + 1 < len(starts) and t >= starts[step + 1]:
+            step += 1
+        index.append(step)
+    return index
 
 
 def vine_advantages(*, values: list[list[float]], rewards: list[float], token_steps: list[list[int]], gamma: float,

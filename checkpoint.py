@@ -269,6 +269,24 @@ class Saver:
 # sft.py --keep-best: the best validation checkpoint, kept beside the run's checkpoints
 
 
+def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
+    """The fine-tuned model as an HF folder in out_dir: written into a temp folder, then each file moved in, the
+    config.json (what makes it a model folder) last. Under torchrun all ranks call it (FSDP2 shards are gathered) and
+    rank 0 writes."""
+    state = dist.full_state_dict(policy) if dist.is_sharded(policy) else None  # None: save_pretrained takes its own
+    if dist.rank() > 0:
+        return dist.barrier()
+    tmp = out_dir / f".tmp-final-{os.getpid()}"
+    policy.save_pretrained(tmp, state_dict=state)
+    tokenizer.save_pretrained(tmp)
+    for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(path, out_dir / path.name)
+    tmp.rmdir()
+    dist.barrier()
+    print(f"saved the fine-tuned model in {out_dir} (python train.py --model {out_dir} "
+          f"--prompt-format {prompt_format})", flush=True)
+
+
 def best_so_far(out_dir: Path, *, upto: int) -> dict:
     """--keep-best: the step and validation pass@1 of the model in out_dir/best, or step 0 if none, once what a kill
     cut off is settled: a swap half done is finished, and a new best staged in out_dir/.tmp-best (save_best) is

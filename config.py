@@ -195,28 +195,50 @@ def add_flag(group, f: dataclasses.Field):
         group.add_argument(name, type=kind, default=f.default, **meta)
 
 
-def check_sampling_and_resume(parser, cfg):
-    """The checks train.py and sft.py share: --eval-temperature, --top-p, and --resume against --overwrite."""
+def derive_task(parser, cfg):
+    """train.py's and sft.py's cfg.task from --dataset, and --grader auto's choice: by the task, or for a folder by
+    its answers (all numbers: number, else math; reading it, a malformed row stops here, as file:line)."""
+    problem = dataset_problem(cfg.dataset)
+    if problem:
+        parser.error(f"--dataset {cfg.dataset}: {problem}")
+    cfg.task = task_of(cfg.dataset)
+    if cfg.grader == "auto" and cfg.task == "custom":
+        answers = [e["answer"] for split in SPLITS for e in load_split(cfg.dataset, split)]
+        cfg.grader = "number" if all(map(is_number, answers)) else "math"
+    elif cfg.grader == "auto":
+        cfg.grader = grader_of(cfg.task)
+
+
+def check_shared(parser, cfg, *, at_least_1: tuple[str, ...]):
+    """The checks train.py and sft.py share: the counts `at_least_1`, --threads, --chain-filler, --eval-temperature,
+    --top-p, --lr, --warmup-ratio, --resume against --overwrite, and a writable --out-dir."""
+    for name in at_least_1:
+        if getattr(cfg, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    if cfg.threads < 0:
+        parser.error(f"--threads must be 0 (torch's default) or above (got {cfg.threads})")
+    if cfg.chain_filler < 0 or cfg.chain_filler and cfg.dataset != "chain":
+        parser.error(f"--chain-filler takes 0 or more filler lines, with --dataset chain only (got {cfg.chain_filler} "
+                     f"with --dataset {cfg.dataset})")
     if not cfg.eval_temperature >= 0:
         parser.error(f"--eval-temperature must be 0 (greedy) or above (got {cfg.eval_temperature})")
     if not 0 < cfg.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1] (got {cfg.top_p})")
+    if not cfg.lr > 0:
+        parser.error(f"--lr must be above 0 (got {cfg.lr})")
+    if not 0 <= cfg.warmup_ratio < 1:
+        parser.error(f"--warmup-ratio must be in [0, 1) (got {cfg.warmup_ratio})")
     if cfg.resume and cfg.overwrite:
         parser.error("--resume and --overwrite contradict each other")
+    problem = unwritable(Path(cfg.out_dir))
+    if problem:
+        parser.error(f"--out-dir {cfg.out_dir}: {problem}")
 
 
 def parse_config(argv=None) -> Config:
     parser, cfg = parse_dataclass(Config, argv, description=__doc__, groups=GROUPS)
     # Derived values: what the data set is and how it is graded; paper sizes on a GPU, CPU sizes otherwise.
-    problem = dataset_problem(cfg.dataset)
-    if problem:
-        parser.error(f"--dataset {cfg.dataset}: {problem}")
-    cfg.task = task_of(cfg.dataset)
-    if cfg.grader == "auto" and cfg.task == "custom":  # reads the folder: a malformed row stops here, as file:line
-        answers = [e["answer"] for split in SPLITS for e in load_split(cfg.dataset, split)]
-        cfg.grader = "number" if all(map(is_number, answers)) else "math"
-    elif cfg.grader == "auto":
-        cfg.grader = grader_of(cfg.task)
+    derive_task(parser, cfg)
     gpu = pick_device(cfg.device).type == "cuda"
     for name, paper, cpu in (("prompts_per_iter", 64, 4), ("samples_per_prompt", 8, 4), ("max_new_tokens", 1024, 192),
                              ("minibatch_size", 64, 8), ("micro_batch_size", 8, 2), ("eval_samples", 16, 4)):
@@ -240,18 +262,17 @@ def parse_config(argv=None) -> Config:
         cfg.max_value_steps = 0 if cfg.task == "math" else 25
     stem = Path(cfg.dataset).expanduser().resolve().name if cfg.task == "custom" else cfg.dataset
     cfg.out_dir = cfg.out_dir or f"runs/{stem}-{cfg.estimator}-k{cfg.k}-s{cfg.seed}"
-    for name in ("iterations", "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "k", "epochs", "arith_ops",
-                 "arith_max", "k_round", "k_max", "minibatch_size", "micro_batch_size", "eval_every", "eval_size",
-                 "eval_samples", "save_every", "gen_batch_size"):
-        if getattr(cfg, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
+    check_shared(parser, cfg, at_least_1=("iterations", "prompts_per_iter", "samples_per_prompt", "max_new_tokens", "k",
+                                          "epochs", "arith_ops", "arith_max", "k_round", "k_max", "minibatch_size",
+                                          "micro_batch_size", "eval_every", "eval_size", "eval_samples", "save_every",
+                                          "gen_batch_size"))
     world = int(os.environ.get("WORLD_SIZE", "1"))  # ranks under torchrun; the batch flags are global
     if cfg.prompts_per_iter % world:
         parser.error(f"--prompts-per-iter ({cfg.prompts_per_iter}) must be a multiple of the number of ranks ({world})")
     if cfg.minibatch_size % (world * cfg.micro_batch_size):
         parser.error(f"--minibatch-size ({cfg.minibatch_size}) must be a multiple of --micro-batch-size "
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
-    for name in ("lr", "value_lr", "clip"):
+    for name in ("value_lr", "clip"):
         if not getattr(cfg, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be above 0 (got {getattr(cfg, name)})")
     for name in ("gamma", "lam"):
@@ -268,9 +289,6 @@ def parse_config(argv=None) -> Config:
         parser.error(f"--vllm-gpu-memory must be a fraction in (0, 1) (got {cfg.vllm_gpu_memory})")
     if cfg.vllm_max_batched_tokens < 1:
         parser.error(f"--vllm-max-batched-tokens must be at least 1 (got {cfg.vllm_max_batched_tokens})")
-    if cfg.chain_filler < 0 or cfg.chain_filler and cfg.dataset != "chain":
-        parser.error(f"--chain-filler takes 0 or more filler lines, with --dataset chain only (got {cfg.chain_filler} "
-                     f"with --dataset {cfg.dataset})")
     if not cfg.k_ci > 0:
         parser.error(f"--k-ci must be above 0 (got {cfg.k_ci})")
     if cfg.free_samples != "off" and cfg.estimator != "vine":
@@ -297,22 +315,16 @@ def parse_config(argv=None) -> Config:
                      f"set (a bias, research/free_samples); budget shares vines over all states, not state by state")
     if cfg.tis_cap != 0 and cfg.tis_cap < 1:
         parser.error(f"--tis-cap must be 0 (off) or at least 1 (got {cfg.tis_cap})")
-    if cfg.threads < 0:
-        parser.error(f"--threads must be 0 (torch's default) or above (got {cfg.threads})")
     if not cfg.temperature > 0:
         parser.error(f"--temperature must be above 0: rollouts and vines are sampled (got {cfg.temperature})")
     if not cfg.vine_temperature >= 0:
         parser.error(f"--vine-temperature must be 0 (--temperature) or above (got {cfg.vine_temperature})")
-    check_sampling_and_resume(parser, cfg)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # restarted by torchrun --max-restarts: go on
         has_checkpoint = (Path(cfg.out_dir) / "latest").exists()
         cfg.resume, cfg.overwrite = has_checkpoint, not has_checkpoint
     problem = tracker_missing(cfg.track)
     if problem:
         parser.error(problem)
-    problem = unwritable(Path(cfg.out_dir))
-    if problem:
-        parser.error(f"--out-dir {cfg.out_dir}: {problem}")
     problem = step_split_problem(cfg.step_split)
     if problem:
         parser.error(f"--step-split {cfg.step_split!r}: {problem}")

@@ -120,6 +120,18 @@ def weighted_mean(stats: dict, weight: float) -> dict:
     return {k: v / max(sums[-1], 1e-12) for k, v in zip(stats, sums)}
 
 
+def deal(costs: list[float], *, parts: int) -> list[list[int]]:
+    """Indices of `costs` (values.pool_states: each vine state's expected tokens) dealt into `parts` lists of about
+    equal total cost: costliest first, each to the part lightest so far, so no part ends more than one item's cost
+    above another."""
+    loads, out = [0.0] * parts, [[] for _ in range(parts)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        out[part].append(i)
+        loads[part] += costs[i]
+    return [sorted(part) for part in out]
+
+
 def wrap(scorer: torch.nn.Module, *, fsdp: bool = False) -> torch.nn.Module:
     """The module whose backward sums gradients over ranks; without torchrun, `scorer` itself.
     DDP (default): every rank holds all the weights; gradients are all-reduced during backward.

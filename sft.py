@@ -15,8 +15,8 @@ then linear decay (ppo.make_optimizer); pass@1 on the test split before and afte
 reaches P: a start at a chosen pass@1 for tasks of different difficulty (the credit study's lengths). --keep-best
 checks the same pass@1 and ends with the best checkpoint, as the paper's SFT (run to convergence, the lr decayed).
 
-Under torchrun (`torchrun --nproc_per_node=N sft.py ...`, dist.py) each rank takes batch_size / N instances of every
-step, DDP or --fsdp (FSDP2), and rank 0 writes the files; the step is the one a single process takes.
+Under torchrun (dist.py) each rank takes batch_size / N instances of every step, DDP or --fsdp (FSDP2), and rank 0
+writes the files; the step is the one a single process takes.
 Shapes: B = instances in a micro-batch, P = prompt length (left-padded), R = target length (right-padded), T = P + R.
 """
 import dataclasses
@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 import dist
-from checkpoint import Saver, best_so_far, load_best, open_run, repair_metrics, restore, save_best, swap_best
-from config import arg, check_sampling_and_resume, parse_dataclass, unwritable
-from data import (dataset_problem, encode_prompt, input_problem, load_split, load_splits, prompt_chars, task_chars,
-                  task_of)
+from checkpoint import (Saver, best_so_far, load_best, open_run, repair_metrics, restore, save_best, save_final,
+                        swap_best)
+from config import arg, check_shared, derive_task, parse_dataclass
+from data import encode_prompt, input_problem, load_split, load_splits, prompt_chars, task_chars
 from engine import HFSampler
-from grader import grader_of, is_number, wrong_line_counts
+from grader import wrong_line_counts
 from model import (DEFAULT_MODEL, Scorer, load_model, load_tokenizer, max_positions, model_problem,
                    new_scratch_model, pick_device, pick_dtype)
 from ppo import make_optimizer, pad_episodes
@@ -48,8 +48,7 @@ from runlog import GracefulStop, RunLog, due, stop_after_interrupt
 @dataclass
 class SFTConfig:
     dataset: str = arg("arith", "gsm8k, math, arith, chain (arith written compactly, for --model scratch), or a "
-                                "folder of your own with train.jsonl and test.jsonl (its rows need a \"solution\": "
-                                "rows without one are skipped)")
+                                "folder with train.jsonl and test.jsonl (rows without a \"solution\" are skipped)")
     grader: str = arg("auto", "how pass@1 is graded (as train.py): number, math; auto: by --dataset",
                       choices=["auto", "number", "math"])
     model: str = arg(DEFAULT_MODEL, "the model to fine-tune: Hub id, local HF folder or .gguf file; scratch: a new "
@@ -67,8 +66,8 @@ class SFTConfig:
     max_steps: int = arg(0, "stop after this many optimizer steps (the schedule is laid out for them); 0: epochs")
     lr: float = arg(1e-5, "AdamW peak learning rate (official: 1e-5 for the 1.1B model, 5e-5 for 7B)")
     warmup_ratio: float = arg(0.03, "fraction of optimizer steps spent warming up, then linear decay to 0")
-    lr_decay: bool = arg(True, "decay the learning rate linearly to 0 after warmup (--no-lr-decay: constant, the start "
-                               "to hand RL: RL barely moved or lowered models decayed to 0, research/anneal)")
+    lr_decay: bool = arg(True, "decay the lr linearly to 0 after warmup (--no-lr-decay: constant, the start to hand "
+                               "RL: RL barely moved models decayed to 0, research/anneal)")
     decay_steps: int = arg(0, "decay over the last this many steps only, constant before (warmup-stable-decay); 0: "
                               "over every step after warmup")
     lr_floor: float = arg(0.0, "the decay ends at this fraction of --lr instead of 0")
@@ -80,8 +79,7 @@ class SFTConfig:
     dtype: str = arg("auto", "compute dtype (autocast); master weights and AdamW stay fp32. auto: bf16 where native",
                      choices=["auto", "float32", "bfloat16"])
     device: str = arg("auto", "auto, cpu or cuda")
-    threads: int = arg(0, "CPU threads for torch's ops (0: torch's default, every core); 1 suits a tiny model, whose "
-                          "ops are too small to share out (on a busy machine more threads can be far slower)")
+    threads: int = arg(0, "CPU threads for torch's ops (0: torch's default, every core; 1 suits a tiny model)")
     eval_size: int | None = arg(None, "test problems for pass@1 before and after (default: all on GPU; CPU: 32)")
     eval_samples: int | None = arg(None, "samples per test problem (GPU default: 16; CPU: 4)")
     eval_temperature: float = arg(0.35, "sampling temperature for evaluation; 0: greedy")
@@ -111,16 +109,9 @@ class SFTConfig:
     task: str | None = arg(None, "", derived=True)  # derived from --dataset (train.py's cfg.task)
 
 
-# A resumed run must have these as saved; the others (max-steps, lr, eval flags, ...) may change.
 SFT_DEFINING = ("dataset", "grader", "model", "prompt_format", "seed", "epochs", "batch_size", "max_length",
                 "arith_ops", "arith_max", "chain_filler", "chain_bug", "chain_bug_rate", "scratch_layers",
-                "scratch_width", "scratch_heads")
-
-
-def defining_changes(saved: dict, cfg: SFTConfig) -> list[str]:
-    """The flags of SFT_DEFINING whose value differs from a checkpoint's config, as "--flag a -> b"."""
-    return [f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(cfg, k)}" for k in SFT_DEFINING
-            if saved.get(k) != getattr(cfg, k)]
+                "scratch_width", "scratch_heads")  # a resumed run must have these as saved; the others may change
 
 
 SFT_GROUPS = {  # --help in groups, SFT's own flags first
@@ -139,13 +130,7 @@ SFT_GROUPS = {  # --help in groups, SFT's own flags first
 
 def parse_sft_config(argv=None) -> SFTConfig:
     parser, cfg = parse_dataclass(SFTConfig, argv, description=__doc__, groups=SFT_GROUPS)
-    problem = dataset_problem(cfg.dataset)
-    if problem:
-        parser.error(f"--dataset {cfg.dataset}: {problem}")
-    cfg.task = task_of(cfg.dataset)
-    if cfg.grader == "auto":
-        cfg.grader = grader_of(cfg.task) if cfg.task != "custom" else "number" if all(
-            is_number(e["answer"]) for e in load_split(cfg.dataset, "test")) else "math"
+    derive_task(parser, cfg)  # cfg.task, and --grader auto's choice (as train.py)
     gpu = pick_device(cfg.device).type == "cuda"
     for name, paper, cpu in (("batch_size", 64, 16), ("micro_batch_size", 8, 4), ("eval_samples", 16, 4),
                              ("max_new_tokens", 1024, 256), ("eval_size", 10**9, 32)):
@@ -153,15 +138,10 @@ def parse_sft_config(argv=None) -> SFTConfig:
             setattr(cfg, name, paper if gpu else cpu)
     stem = Path(cfg.dataset).expanduser().resolve().name if cfg.task == "custom" else cfg.dataset
     cfg.out_dir = cfg.out_dir or f"runs/sft-{stem}-s{cfg.seed}"
-    for name in ("epochs", "batch_size", "micro_batch_size", "max_length", "eval_size", "eval_samples",
-                 "max_new_tokens", "gen_batch_size", "arith_ops", "arith_max", "save_every", "stop_every", "stop_size",
-                 "scratch_layers",
-                 "scratch_width", "scratch_heads"):
-        if getattr(cfg, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(cfg, name)})")
-    if cfg.chain_filler < 0 or cfg.chain_filler and cfg.dataset != "chain":
-        parser.error(f"--chain-filler takes 0 or more filler lines, with --dataset chain only (got {cfg.chain_filler} "
-                     f"with --dataset {cfg.dataset})")
+    check_shared(parser, cfg, at_least_1=("epochs", "batch_size", "micro_batch_size", "max_length", "eval_size",
+                                          "eval_samples", "max_new_tokens", "gen_batch_size", "arith_ops", "arith_max",
+                                          "save_every", "stop_every", "stop_size", "scratch_layers", "scratch_width",
+                                          "scratch_heads"))
     if cfg.chain_bug != "none" and (cfg.dataset != "chain" or cfg.chain_filler or not 0 < cfg.chain_bug_rate <= 1):
         parser.error(f"--chain-bug {cfg.chain_bug} takes --dataset chain without --chain-filler and a "
                      f"--chain-bug-rate in (0, 1] (got --dataset {cfg.dataset}, --chain-filler {cfg.chain_filler}, "
@@ -180,19 +160,9 @@ def parse_sft_config(argv=None) -> SFTConfig:
     if cfg.batch_size % (world * cfg.micro_batch_size):
         parser.error(f"--batch-size ({cfg.batch_size}) must be a multiple of --micro-batch-size "
                      f"({cfg.micro_batch_size}) x the number of ranks ({world})")
-    if cfg.threads < 0:
-        parser.error(f"--threads must be 0 (torch's default) or above (got {cfg.threads})")
-    if not cfg.lr > 0:
-        parser.error(f"--lr must be above 0 (got {cfg.lr})")
     if cfg.decay_steps < 0 or not 0 <= cfg.lr_floor <= 1:
         parser.error(f"--decay-steps must be 0 or above and --lr-floor in [0, 1] (got {cfg.decay_steps}, "
                      f"{cfg.lr_floor})")
-    if not 0 <= cfg.warmup_ratio < 1:
-        parser.error(f"--warmup-ratio must be in [0, 1) (got {cfg.warmup_ratio})")
-    check_sampling_and_resume(parser, cfg)
-    problem = unwritable(Path(cfg.out_dir))
-    if problem:
-        parser.error(f"--out-dir {cfg.out_dir}: {problem}")
     if cfg.scratch_width % cfg.scratch_heads or (cfg.scratch_width // cfg.scratch_heads) % 2:
         parser.error(f"--scratch-width ({cfg.scratch_width}) must be an even multiple of --scratch-heads "
                      f"({cfg.scratch_heads}): each head's width is even (RoPE)")
@@ -243,8 +213,8 @@ def encode_examples(examples: list[dict], *, tokenizer, cfg: SFTConfig) -> tuple
 
 
 def step_examples(step: int, *, n: int, batch_size: int, seed: int) -> list[int]:
-    """The example indices of optimizer step `step` (0-based): each epoch a fresh permutation of the n examples, cut
-    into full batches (the remainder is dropped). A function of the step alone, so a resumed run needs no RNG state."""
+    """The example indices of step `step` (0-based): each epoch a fresh permutation of the n examples cut into full
+    batches (the remainder dropped). A function of the step alone: a resumed run needs no RNG state."""
     per_epoch = n // batch_size
     epoch, k = divmod(step, per_epoch)
     order = list(range(n))
@@ -254,11 +224,10 @@ def step_examples(step: int, *, n: int, batch_size: int, seed: int) -> list[int]
 
 def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, batch_size: int, micro_batch_size: int,
              pad_id: int, max_grad_norm: float) -> dict:
-    """One optimizer step on `pairs`, this rank's share of a batch of batch_size instances (all of it in one
-    process): micro-batches' losses weighted by their share of the batch, so that the accumulated gradient is that of
-    the batch's mean loss (under torchrun summed over ranks: DDP averages, so each loss is scaled by the world size;
-    the gradients are reduced once, on the last micro-batch). Returns the loss, grad norm, target tokens and all tokens
-    (prompt + target, padding not counted), over all ranks."""
+    """One optimizer step on `pairs`, this rank's share of a batch of batch_size instances: each micro-batch's loss
+    weighted by its share of the batch, so the gradient is the batch mean loss's (under torchrun DDP averages: each
+    loss x the world size, reduced once, on the last micro-batch). Returns the loss, grad norm, target tokens and
+    all tokens (prompt + target, not padding), over all ranks."""
     device = next(scorer.parameters()).device
     optimizer.zero_grad(set_to_none=True)
     total, tokens, seen = 0.0, 0, 0
@@ -280,8 +249,8 @@ def sft_step(scorer, optimizer, scheduler, pairs: list[tuple[list, list]], *, ba
 
 def validate(sampler, policy, tokenizer, validation: list[dict], cfg: SFTConfig, *, completed: int, last: bool,
              record: dict) -> float | None:
-    """--stop-at, --keep-best: every --stop-every steps (--keep-best: and at the last), greedy pass@1 on the
-    validation problems (never the test ones), also into `record`; None between checks."""
+    """--stop-at, --keep-best: greedy validation pass@1 (into `record`) every --stop-every steps (--keep-best: and
+    the last); None between checks."""
     if not validation or completed % cfg.stop_every and not (cfg.keep_best and last):
         return None
     sampler.sync(policy)
@@ -289,24 +258,6 @@ def validate(sampler, policy, tokenizer, validation: list[dict], cfg: SFTConfig,
     record["validation_accuracy"], record["validation_se"] = evaluate(sampler, tokenizer, validation, greedy,
                                                                       seed=cfg.seed)
     return record["validation_accuracy"]
-
-
-def save_final(out_dir: Path, *, policy, tokenizer, prompt_format: str):
-    """The fine-tuned model as an HF folder in out_dir: written into a temp folder, then each file moved in, the
-    config.json (what makes it a model folder) last. Under torchrun all ranks call it (FSDP2 shards are gathered) and
-    rank 0 writes."""
-    state = dist.full_state_dict(policy) if dist.is_sharded(policy) else None  # None: save_pretrained takes its own
-    if dist.rank() > 0:
-        return dist.barrier()
-    tmp = out_dir / f".tmp-final-{os.getpid()}"
-    policy.save_pretrained(tmp, state_dict=state)
-    tokenizer.save_pretrained(tmp)
-    for path in sorted(tmp.iterdir(), key=lambda p: p.name == "config.json"):
-        os.replace(path, out_dir / path.name)
-    tmp.rmdir()
-    dist.barrier()
-    print(f"saved the fine-tuned model in {out_dir} (python train.py --model {out_dir} "
-          f"--prompt-format {prompt_format})", flush=True)
 
 
 def main(cfg: SFTConfig):
@@ -317,7 +268,8 @@ def main(cfg: SFTConfig):
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
     source, state = open_run(out_dir, resume=cfg.resume, overwrite=cfg.overwrite,
-                             compare=lambda saved: (defining_changes(saved, cfg), []))  # the checkpoint to resume
+                             compare=lambda saved: ([f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(cfg, k)}"
+                                                     for k in SFT_DEFINING if saved.get(k) != getattr(cfg, k)], []))
     if rank == 0 and source is None:  # a fresh run: an old final model there is not this run's (save_final rewrites it)
         (out_dir / "config.json").unlink(missing_ok=True)
         for old in ("best", "best.old"):

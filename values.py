@@ -9,12 +9,10 @@
     4. values    V(state) = the mean 0/1 reward of its vines; past the cap V = the response's reward (gamma = 1, so
                  the advantages there are 0); the terminal state's V = 0
 
-A token belongs to the step holding its first character, so the state before step j is prompt + response
-tokens[:start_j]. Ablations join here at one call each: where vines branch (--step-split: ablations/branching.py, in
-step_token_starts), how many vines a state gets (--k-mode: ablations/adaptive_k.py, in state_rewards); the
-group's own responses as samples too (--free-samples: ablations/free_samples.py) build on state_vines.
+A token belongs to the step holding its first character: the state before step j is prompt + response tokens[:start_j].
+Ablations join at one call each: --step-split (ablations/branching.py) in step_token_starts, --k-mode
+(ablations/adaptive_k.py) in state_rewards; --free-samples (ablations/free_samples.py) builds on state_vines.
 """
-
 import re
 from typing import NamedTuple
 
@@ -145,16 +143,6 @@ def text_step_starts(token_ids: list[int], text: str, *, tokenizer, task: str) -
     return starts
 
 
-def token_step_index(n_tokens: int, starts: list[int]) -> list[int]:
-    """For each response token, the index of its step (EOS and trailing tokens belong to the last step)."""
-    index, step = [], 0
-    for t in range(n_tokens):
-        while step + 1 < len(starts) and t >= starts[step + 1]:
-            step += 1
-        index.append(step)
-    return index
-
-
 class State(NamedTuple):
     """A distinct state to estimate: the tokens sequence[:prefix_len] (its first prompt_len the prompt), continued
     from the first response that holds it (any will do)."""
@@ -168,8 +156,7 @@ class State(NamedTuple):
 
 def response_states(prompts: list[list[int]], responses: list[list[int]], step_starts: list[list[int]], *,
                     max_value_steps: int | None) -> list[list[tuple]]:
-    """states[i][j]: the key of response i's state j, its tokens (prompt + the steps before j), for the first
-    max_value_steps steps (None: all)."""
+    """states[i][j]: the key of response i's state j, its tokens (prompt + the steps before j), up to the cap."""
     return [[tuple(prompt + response[:s]) for s in starts[:len(starts) if max_value_steps is None else max_value_steps]]
             for prompt, response, starts in zip(prompts, responses, step_starts)]
 
@@ -187,20 +174,9 @@ def vine_requests(states: list[list[tuple]], *, prompts, responses, step_starts,
     return requests
 
 
-def split_states(costs: list[float], *, parts: int) -> list[list[int]]:
-    """Indices of `costs` dealt into `parts` lists of about equal total cost: costliest first, each to the part that is
-    lightest so far, so that no part ends more than one item's cost above another."""
-    loads, out = [0.0] * parts, [[] for _ in range(parts)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        part = min(range(parts), key=lambda p: (loads[p], p))
-        out[part].append(i)
-        loads[part] += costs[i]
-    return [sorted(part) for part in out]
-
-
 def pool_states(requests: dict[tuple, State]) -> tuple[dict[tuple, State], list[tuple], list[tuple]]:
     """Under torchrun, every rank's states pooled (a state on two ranks: the copy with fewer prior rewards, that is
-    more vines), sorted the same on every rank, and dealt out by expected vine tokens (split_states): (the pooled
+    more vines), sorted the same on every rank, and dealt out by expected vine tokens (dist.deal): (the pooled
     states, all their keys, this rank's keys). One process: (requests, all, all)."""
     pooled = {}
     for part in dist.all_gather(requests):
@@ -208,7 +184,7 @@ def pool_states(requests: dict[tuple, State]) -> tuple[dict[tuple, State], list[
             if key not in pooled or len(state.prior) < len(pooled[key].prior):
                 pooled[key] = state
     keys = sorted(pooled)
-    return pooled, keys, [keys[i] for i in split_states([pooled[k].cost for k in keys], parts=dist.world())[dist.rank()]]
+    return pooled, keys, [keys[i] for i in dist.deal([pooled[k].cost for k in keys], parts=dist.world())[dist.rank()]]
 
 
 def fixed_k_rewards(*, sampler, states: list[State], K: int, grader: str, temperature: float, top_p: float,
@@ -237,8 +213,7 @@ def fixed_k_rewards(*, sampler, states: list[State], K: int, grader: str, temper
 
 def state_rewards(*, sampler, states: list[State], K: int, k_mode: str, k_round: int, k_max: int, k_ci: float,
                   grader: str, temperature: float, top_p: float, max_new_tokens: int, seed: int):
-    """The rewards of every state's fresh vines and the tokens sampled: K each (fixed_k_rewards), or with --k-mode
-    adaptive / budget / official in rounds (ablations/adaptive_k.py)."""
+    """Every state's fresh vine rewards and the tokens sampled: K each (fixed_k_rewards), or --k-mode's rounds."""
     if k_mode != "fixed":  # --k-mode: how many vines each state gets, decided in rounds
         return adaptive_k.vine_rewards(
             sampler=sampler, sequences=[s.sequence for s in states], prefix_lens=[s.prefix_len for s in states],
@@ -279,12 +254,10 @@ def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[i
                     k_round: int = 3, k_max: int = 27, k_ci: float = 0.5):
     """MC value of every state of every response: its distinct states, K vines from each, the mean reward.
 
-    prompts[i], responses[i]: token ids; step_starts[i]: first token of each step (from step_token_starts);
-    rewards[i]: the response's own 0/1 reward; answers[i]: its gold answer, against which each continuation is
-    graded as a whole response (prefix + continuation). Returns (values, stats): values[i] has
-    len(step_starts[i]) + 1 entries, the last being the terminal value 0. max_value_steps caps the states per
-    response (past the cap V = the final reward, gamma = 1); k_mode etc.: --k-mode (ablations/adaptive_k.py).
-    """
+    prompts[i], responses[i]: token ids; step_starts[i]: first token of each step (step_token_starts); rewards[i]: the
+    response's 0/1 reward; answers[i]: its gold answer (each vine is graded as a whole response, prefix + vine).
+    Returns (values, stats): values[i] has len(step_starts[i]) + 1 entries, the last the terminal value 0.
+    max_value_steps caps the states per response (past it V = the final reward); k_mode etc.: --k-mode."""
     # 1. The states: where each response's steps begin (prompt + the steps before), up to the cap
     states = response_states(prompts, responses, step_starts, max_value_steps=max_value_steps)
 
@@ -303,8 +276,7 @@ def estimate_values(*, sampler, prompts: list[list[int]], responses: list[list[i
 
 
 def value_stats(states: list[list[tuple]], vines: Vines) -> dict:
-    """The values section's metrics over all ranks: distinct states, states asked for, vines, vine tokens, vines per
-    state (mean, most)."""
+    """The values section's metrics over all ranks: states (distinct, asked for), vines, their tokens, per state."""
     counts = [len(sc) for sc in vines.scores]
     totals = dist.all_sum(torch.tensor([sum(map(len, states)), vines.tokens, sum(counts)]))
     most = max(dist.all_gather(max(counts, default=0)))

@@ -14,11 +14,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dist  # noqa: E402
+from checkpoint import save_final  # noqa: E402
 from model import Scorer, new_value_head  # noqa: E402
 from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update  # noqa: E402
 from rollout import Sample  # noqa: E402
 from sampling import requests_in_waves  # noqa: E402
-from sft import save_final, sft_step  # noqa: E402
+from sft import sft_step  # noqa: E402
 from values import estimate_values  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def critic_case(case: str) -> dict:
 
 def sft_case(case: str, out: str) -> dict:
     """One sft_step (SGD) on a batch of 8: rank r takes instances r, r + world, ... (as sft.py deals them), so with
-    2 ranks one rank holds the short targets and the other the long ones; then sft.save_final writes the model."""
+    2 ranks one rank holds the short targets and the other the long ones; then checkpoint.save_final writes the model."""
     rank, world = dist.rank(), dist.world()
     prompts, responses, _, _ = episodes()
     order = [0, 4, 1, 5, 2, 6, 3, 7]  # short and long alternate: rank 0 gets 0-3 (short), rank 1 gets 4-7 (long)

@@ -21,6 +21,7 @@ def one_error_line(argv, capsys) -> str:
 @pytest.mark.parametrize("argv, message", [
     (["--lr", "0"], "--lr must be above 0 (got 0.0)"),
     (["--lr=-1e-6"], "--lr must be above 0 (got -1e-06)"),
+    (["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1) (got 1.0)"),
     (["--value-lr", "0", "--estimator", "critic"], "--value-lr must be above 0 (got 0.0)"),
     (["--gamma", "1.5"], "--gamma must be in [0, 1] (got 1.5)"),
     (["--gamma", "-0.1"], "--gamma must be in [0, 1] (got -0.1)"),
@@ -176,3 +177,13 @@ def test_help_lists_the_papers_flags_first_in_groups(capsys):
     assert GROUPS["the paper and its baselines"][:2] == ["estimator", "k"]
     with pytest.raises(ValueError, match="miss"):
         parse_dataclass(Config, [], groups={"one": ["dataset"]})
+
+
+def test_sft_and_train_grade_a_folder_alike(tmp_path):
+    """--grader auto reads both splits of a folder in train.py and sft.py alike (sft.py once read test.jsonl only): a
+    folder whose test answers are numbers but one train answer is not is graded as math by both."""
+    from sft import parse_sft_config
+    folder = write_folder(tmp_path / "mixed", ["12", "7"])
+    (tmp_path / "mixed" / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "\\frac{1}{2}"}) + "\n")
+    args = ["--device", "cpu", "--dataset", folder, "--out-dir", str(tmp_path / "out")]
+    assert parse_config(args).grader == parse_sft_config(args).grader == "math"

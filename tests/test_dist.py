@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from values import split_states
+from dist import deal
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
@@ -65,10 +65,10 @@ def test_two_ranks_with_half_the_batch_each_take_the_one_rank_sft_step(tmp_path,
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5), key
 
 
-def test_split_states_balances_cost_and_deals_each_state_once():
+def test_deal_balances_cost_and_deals_each_state_once():
     costs = [50, 7, 7, 30, 1, 22, 22, 9, 64, 3, 18]
     for parts in (1, 2, 3, 5):
-        split = split_states(costs, parts=parts)
+        split = deal(costs, parts=parts)
         assert sorted(i for part in split for i in part) == list(range(len(costs)))
         loads = [sum(costs[i] for i in part) for part in split]
         assert max(loads) - min(loads) <= max(costs)

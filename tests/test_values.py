@@ -3,8 +3,9 @@ whose rewards are known exactly."""
 import pytest
 
 from conftest import shipped_rows
+from advantages import token_step_index
 from sampling import Sample, requests_in_waves, row_seed
-from values import (estimate_values, split_steps, step_token_starts, token_char_starts, token_step_index)
+from values import estimate_values, split_steps, step_token_starts, token_char_starts
 
 
 def test_gsm8k_gold_one_step_per_reasoning_line():
