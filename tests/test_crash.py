@@ -1,7 +1,7 @@
 """Crash tests: tiny runs killed with SIGKILL at named points (a test hook, VINEPPO_PAUSE_AT=point:iteration, makes
-the run wait there), then resumed; and SIGTERM during an update. The first runs arith with the real SmolLM2 (its
-1.6 GB checkpoints, a save killed half-way); the others, whose point is what a resume restores, run the testbed's
-chain with a tiny scratch model (`scratch`, a few seconds an iteration instead of twenty)."""
+the run wait there), then resumed; and SIGTERM during an update. What they check is what a resume restores, so they
+run chain with a tiny scratch model (conftest's `scratch`: a second an iteration where the real SmolLM2 takes twenty);
+the real model's checkpoint and resume end to end: tests/test_train.py's smoke test."""
 import json
 import os
 import signal
@@ -16,23 +16,6 @@ from conftest import REPO
 TINY = ["--dataset", "arith", "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--max-new-tokens", "16",
         "--k", "2", "--eval-size", "2", "--eval-samples", "1", "--eval-every", "100", "--save-every", "1",
         "--sampler", "hf", "--iterations", "4"]
-
-
-CHAIN = ["--dataset", "chain", "--arith-ops", "1", "--prompt-format", "plain"]  # what a scratch model can write
-
-
-@pytest.fixture(scope="module")
-def scratch(tmp_path_factory) -> list[str]:
-    """train.py's flags for a tiny scratch model on CHAIN (2 layers, width 64; sft.py --model scratch, 600 steps,
-    ~20 s): right about 8 times in 10 at train's temperature, so groups differ and the updates move the policy."""
-    out = tmp_path_factory.mktemp("scratch") / "sft"
-    run = subprocess.run([sys.executable, "sft.py", *CHAIN, "--model", "scratch", "--scratch-layers", "2",
-                          "--scratch-width", "64", "--scratch-heads", "2", "--max-steps", "600", "--batch-size", "16",
-                          "--micro-batch-size", "16", "--lr", "3e-3", "--eval-size", "2", "--eval-samples", "1",
-                          "--out-dir", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return [*CHAIN, "--model", str(out)]
 
 
 def start(out, *args, pause=None):
@@ -64,13 +47,13 @@ def committed(out) -> str:
 
 
 @pytest.mark.slow  # end to end: real train.py / torchrun processes
-def test_kill_at_every_point_then_resume(tmp_path, smol_path):
+def test_kill_at_every_point_then_resume(tmp_path, scratch):
     """SIGKILL mid-rollout, after the update, between the metrics line and the checkpoint, and mid-save; after each,
     --resume continues from the last committed checkpoint, losing only the iteration in progress."""
     from transformers import AutoModelForCausalLM
     out = tmp_path / "run"
     for n, point in enumerate(["rollout:2", "ppo:2", "metrics:2", "save:2"]):
-        proc = start(out, "--iterations", "3", *(["--resume"] if n else []), pause=point)
+        proc = start(out, *scratch, "--iterations", "3", *(["--resume"] if n else []), pause=point)
         wait_for(proc, f"paused at {point}")
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -78,7 +61,7 @@ def test_kill_at_every_point_then_resume(tmp_path, smol_path):
         assert iterations(out)[:2] == [0, 1] and iterations(out) in ([0, 1], [0, 1, 2]), point
         if point == "save:2":
             assert list(out.glob(".tmp-ckpt-*")), "the dead save should have left its temp folder"
-    proc = start(out, "--iterations", "3", "--resume")
+    proc = start(out, *scratch, "--iterations", "3", "--resume")
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0 and "resumed from" in log, log
     assert iterations(out) == [0, 1, 2, 3]  # each iteration exactly once

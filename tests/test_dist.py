@@ -118,14 +118,14 @@ def check_run(out: Path, iterations: int):
 
 
 @pytest.mark.slow  # end to end: real train.py / torchrun processes
-def test_torchrun_fsdp_rank_killed_mid_update_then_resume(tmp_path, smol_path):
-    """torchrun --nproc_per_node=2 train.py --fsdp (gloo, FSDP2) on real GSM8K rows with the real SmolLM2: rank 1 is
-    killed with SIGKILL in iteration 2's update, which takes the job down; the same command with --resume continues
-    from the iteration-1 checkpoint (full weights and the full AdamW state, sharded again) and finishes, each
-    iteration logged once. (DDP's step is checked against one process in the tests above and end to end by the
-    torchrun sft.py test below.)"""
+def test_torchrun_fsdp_rank_killed_mid_update_then_resume(tmp_path, scratch):
+    """torchrun --nproc_per_node=2 train.py --fsdp (gloo, FSDP2) with the tiny scratch model on chain (what is checked
+    is the resume, not the model): rank 1 is killed with SIGKILL in iteration 2's update, which takes the job down;
+    the same command with --resume continues from the iteration-1 checkpoint (full weights and the full AdamW state,
+    sharded again) and finishes, each iteration logged once. (The real SmolLM2 under torchrun end to end: the
+    torchrun sft.py test below; FSDP2's step against one process: the sft-fsdp and ppo-fsdp cases above.)"""
     out = tmp_path / "OUT"
-    proc = torchrun_train(out, "--fsdp", "--iterations", "2", "--save-every", "1", pause="ppo:2")
+    proc = torchrun_train(out, *scratch, "--fsdp", "--iterations", "2", "--save-every", "1", pause="ppo:2")
     log = []
     for line in proc.stdout:
         log.append(line)
@@ -133,7 +133,7 @@ def test_torchrun_fsdp_rank_killed_mid_update_then_resume(tmp_path, smol_path):
         if paused:
             os.kill(int(paused.group(1)), signal.SIGKILL)
     assert proc.wait(timeout=900) != 0 and (out / "latest").read_text() == "ckpt-000001", "".join(log)[-4000:]
-    proc = torchrun_train(out, "--fsdp", "--iterations", "2", "--save-every", "1", "--resume")
+    proc = torchrun_train(out, *scratch, "--fsdp", "--iterations", "2", "--save-every", "1", "--resume")
     log = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0 and "resumed from" in log, log[-4000:]
     check_run(out, 2)

@@ -53,6 +53,7 @@ def test_what_a_tokenizer_cannot_take_is_one_line_naming_it(tmp_path):
         "tokens; with --max-new-tokens 64 that is past the model's 512 positions")
 
 
+@pytest.mark.slow  # real train.py / sft.py processes
 def test_train_and_sft_refuse_what_the_model_cannot_take_before_writing(tmp_path):
     model = new_scratch_model(tmp_path / "m", chars=task_chars(load_split("chain", "train", arith_ops=2))
                               + prompt_chars("plain", grader="chain"), layers=1, width=16, heads=2, seed=0)

@@ -20,6 +20,7 @@ def test_default_model_is_fetched_converted_and_cached(smol_path, capsys):
     assert time.monotonic() - start < 2 and "fetching" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # converts the real GGUF twice
 def test_gguf_conversion_is_reproducible(smol_path, tmp_path):
     """Converting the cached GGUF again gives the same weights as the cached folder."""
     from safetensors.torch import load_file

@@ -27,6 +27,20 @@ def test_pick_dtype_reads_the_cpu_features(monkeypatch):
     assert model_mod.pick_dtype("auto", cuda) == torch.bfloat16
 
 
+@pytest.fixture(scope="module")
+def smol_two_layers(smol):
+    """The real SmolLM2 cut to its first 2 of 30 decoder layers: its own weights, shapes and kernels at a fifteenth of
+    the compute. What the AdamW test guards against (a 1e-6 step lost to bf16 rounding of a weight) is per weight,
+    not per depth. (Kernels rounding differently per shape need the whole depth to show: the next test uses it.)"""
+    model, tokenizer = smol
+    short = copy.deepcopy(model)
+    short.model.layers = short.model.layers[:2]
+    short.config.num_hidden_layers = 2
+    if getattr(short.config, "layer_types", None):
+        short.config.layer_types = short.config.layer_types[:2]
+    return short, tokenizer
+
+
 def tiny_batch(tokenizer):
     prompts = [tokenizer("Q: 2 + 3?\nA:").input_ids, tokenizer("Q: what is 7 times 6?\nA:").input_ids]
     responses = [tokenizer(" 2 + 3 = 5.\n#### 5").input_ids, tokenizer(" 7 * 6 = 42.\n#### 42").input_ids]
@@ -64,10 +78,10 @@ def fraction_moved_by_one_step(model, tokenizer, *, weights: torch.dtype, comput
     return changed / has_grad
 
 
-def test_one_adamw_step_at_lr_1e6_moves_the_fp32_master_weights(smol):
+def test_one_adamw_step_at_lr_1e6_moves_the_fp32_master_weights(smol_two_layers):
     """bf16 compute over fp32 master weights moves (almost) every parameter that has a gradient, as fp32 does. The
     control is the bug this guards against: bf16 weights updated in place lose a 1e-6 step to rounding."""
-    model, tokenizer = smol
+    model, tokenizer = smol_two_layers
     fp32 = fraction_moved_by_one_step(model, tokenizer, weights=torch.float32, compute=torch.float32)
     mixed = fraction_moved_by_one_step(model, tokenizer, weights=torch.float32, compute=torch.bfloat16)
     bf16_weights = fraction_moved_by_one_step(model, tokenizer, weights=torch.bfloat16, compute=torch.bfloat16)
@@ -75,6 +89,7 @@ def test_one_adamw_step_at_lr_1e6_moves_the_fp32_master_weights(smol):
     assert bf16_weights < 0.2, bf16_weights
 
 
+@pytest.mark.slow  # the real SmolLM2's forward and backward in bf16 (cut to 2 layers, no shape's rounding differs)
 def test_fixed_micro_batches_make_the_bf16_ratio_start_at_one(smol):
     """In bf16 the same tokens scored in differently padded micro-batches differ (kernels round differently per
     shape); scored in the same micro-batches they repeat exactly, so PPO's first ratio is exactly 1."""
@@ -220,6 +235,7 @@ def test_sampler_logprobs_are_the_trainers_in_fp32(smol, prompts, kind):
     assert full["mismatch_abs_logp"] > 3 * gap["mismatch_abs_logp"] + 1e-3, (full, gap)
 
 
+@pytest.mark.slow  # the real SmolLM2's forward and backward in two dtypes
 def test_bf16_sampler_copy_sync_and_mismatch(smol, prompts):
     """The bf16 sampler decodes from its own bf16 copy, which sync refreshes from the fp32 policy; its prefix-reuse
     path gives the tokens of a fresh prefill; its log-probs differ from the fp32 trainer's by a small, measured

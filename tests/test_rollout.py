@@ -83,6 +83,7 @@ def test_cut_at_stop():
     assert cut == Sample([1, 2, 3], "a\n\n\nProblem:", True, [-0.1, -0.2, -0.3])
 
 
+@pytest.mark.slow  # the real SmolLM2's decode, several passes
 def test_prefix_reuse_gives_the_same_tokens_as_fresh_prefill(smol, prompts):
     """Vines from a copied KV cache equal vines from their own prefill: greedy, and sampled with the same seed."""
     model, tokenizer = smol
@@ -103,6 +104,7 @@ def test_prefix_reuse_gives_the_same_tokens_as_fresh_prefill(smol, prompts):
         assert group[0].token_ids == reference_greedy(model, seq[:L], 6, reuse.stop_ids)
 
 
+@pytest.mark.slow  # the real SmolLM2's decode, several passes
 def test_rows_sample_the_same_whatever_shares_their_batch(smol, prompts):
     """Finished rows leave the batch and batches are regrouped; a row's tokens must not depend on either."""
     model, tokenizer = smol
@@ -124,6 +126,7 @@ def states(smol, prompts):
             [len(prompts[0]), len(prompts[0]) + 4, len(seq), len(prompts[1]), len(prompts[2])], [20, 12, 3, 16, 8])
 
 
+@pytest.mark.slow  # the real SmolLM2's decode, several passes
 def test_continuous_batching_samples_the_static_loops_tokens(smol, states):
     """fp32, EOS on, 4 decode slots for 15 rows: finished rows' slots are refilled by rows that start at step 0 beside
     rows far into theirs; with group_tokens=1 the prefill pool holds one sequence at a time (prefilled as places free
@@ -152,6 +155,7 @@ def second_round(request, samples, *, log):
         else []
 
 
+@pytest.mark.slow  # the real SmolLM2's decode, several passes
 def test_requests_added_while_decoding_sample_as_in_static_passes(smol, states):
     """Requests that on_done returns join the running batch at once (continuous) or wait for the next pass (static):
     the same rows, the same tokens; in the continuous loop a second round ends before the first round does."""

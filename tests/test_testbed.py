@@ -148,7 +148,9 @@ def test_testbed_flags_bad_values_are_one_line(tmp_path):
 @pytest.mark.slow  # end to end, ~2 minutes on 2 cores
 def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
     """sft.py --model scratch builds, trains and saves a tiny model; train.py then runs two iterations of each
-    estimator from that folder (its policy, reference, sampler and checkpoint), and resumes one of them."""
+    estimator from that folder (its policy, reference, sampler and checkpoint) as processes of their own: vine, its
+    free samples, the separate critic, grpo and its fresh responses (every other arm, in process: the golden test);
+    the last is resumed."""
     env_args = dict(cwd=REPO, capture_output=True, text=True, timeout=600)
     task = ["--dataset", "chain", "--arith-ops", "2", "--prompt-format", "plain", "--threads", "1",
             "--max-new-tokens", "32", "--device", "cpu"]
@@ -159,15 +161,10 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
                           "--out-dir", str(sft)], **env_args)
     assert run.returncode == 0, run.stderr[-2000:]
     assert (sft / "config.json").exists() and (sft / "tokenizer.json").exists()
-    for name, flags in (("vine", ["--estimator", "vine", "--k", "2"]),
-                        ("adaptive", ["--estimator", "vine", "--k-mode", "adaptive", "--k-round", "2", "--k-max", "4"]),
-                        ("lowprob", ["--estimator", "vine", "--k", "2", "--step-split", "lowprob:0.9"]),
+    for name, flags in (("vine", ["--estimator", "vine", "--k", "2"]),  # the other arms' numbers: tests/test_golden.py
                         ("free", ["--estimator", "vine", "--k", "2", "--free-samples", "topup"]),
-                        ("entropy", ["--estimator", "vine", "--k", "2", "--step-split", "entropy:0.2"]),
                         ("critic", ["--estimator", "critic"]), ("grpo", ["--estimator", "grpo"]),
-                        ("silent", ["--estimator", "vine", "--k", "2", "--vines-where", "silent"]),
-                        ("resample", ["--estimator", "grpo", "--resample-silent", "2"]),
-                        ("rloo", ["--estimator", "rloo"])):
+                        ("resample", ["--estimator", "grpo", "--resample-silent", "2"])):
         out = tmp_path / name
         cmd = [sys.executable, "train.py", *task, "--model", str(sft), *flags, "--iterations", "2",
                "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--minibatch-size", "4", "--micro-batch-size",
@@ -195,7 +192,7 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
     again = subprocess.run(cmd[:cmd.index("--iterations") + 1] + ["3"] + cmd[cmd.index("--iterations") + 2:]
                            + ["--resume"], **env_args)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert json.loads((tmp_path / "rloo" / "metrics.jsonl").read_text().splitlines()[-1])["iteration"] == 3
+    assert json.loads((tmp_path / "resample" / "metrics.jsonl").read_text().splitlines()[-1])["iteration"] == 3
 
 
 def finished_run(run_dir, *, start: str | None):
