@@ -178,12 +178,6 @@ def save_critic(folder: Path, critic, state: dict):
               folder / "value_head.safetensors")
 
 
-def load_value_head(source: Path | None, value_head):
-    """The critic's value head from a checkpoint (before dist.wrap shards it)."""
-    if source is not None and value_head is not None:
-        value_head.load_state_dict(load_tensors(source / "value_head.pt", "a value head"))
-
-
 def repair_metrics(path: Path, *, upto: int):
     """Keep the metrics lines of iterations 0..upto, once each, in order; drop torn lines and lines past the
     checkpoint (their iterations will run again). Rewritten atomically."""

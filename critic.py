@@ -5,14 +5,14 @@ with a linear value head on the last hidden state:
 
     V(s_t) = w . h_t + b        h_t: the critic trunk's last hidden state at the last token of state s_t
 
-The head starts at zero (w = 0, b = 0: every V is 0 at first, as `model.new_value_head`; the official code draws w from
+The head starts at zero (w = 0, b = 0: every V is 0 at first, as `--critic head`'s; the official code draws w from
 a normal with std 1/sqrt(H + 1), a departure docs/critic.md explains). The critic has its own AdamW
 (`--value-lr`, default `--lr` as the official configuration; the policy's warmup and decay) and is trained by the
 clipped value loss alone (ppo.value_loss, `--value-clip`), epochs x minibatches of the same batch as the policy's
 update; no gradient of it reaches the policy, and the policy's loss carries no value term. Section 4 of train.py asks
 it for V before every response token (`critic_values`); section 6 trains it after the policy (`critic_update`).
 `--critic head` is the ablation this project used before: a value head on the policy's own trunk, whose loss
-(x `--vf-coef`) flows into the policy's weights (model.new_value_head, ppo.ppo_update).
+(x `--vf-coef`) flows into the policy's weights (ablations/critic_head.py).
 
 Compute as the policy's: bf16 under autocast over fp32 master weights (the head in fp32); DDP or FSDP2 under torchrun
 (dist.wrap); saved inside each checkpoint as ckpt-*/critic/, a Hugging Face folder (safetensors) plus

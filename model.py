@@ -205,15 +205,6 @@ def max_positions(spec: str) -> int | None:
     return getattr(AutoConfig.from_pretrained(resolve_model(spec)), "max_position_embeddings", None)
 
 
-def new_value_head(model) -> torch.nn.Linear:
-    """`--critic head`: a value head on the policy's own trunk, final hidden state -> V. Zero-initialised (V = 0 at
-    first), fp32 master weights like the policy's. (The paper's critic is a separate network: critic.py.)"""
-    head = torch.nn.Linear(model.config.hidden_size, 1)
-    torch.nn.init.zeros_(head.weight)
-    torch.nn.init.zeros_(head.bias)
-    return head.to(device=model.device)
-
-
 def nucleus_keep(sorted_probs: torch.Tensor, *, top_p: float) -> torch.Tensor:
     """(..., k) which of the likeliest-first probabilities are in the top-p nucleus: the smallest prefix whose mass
     reaches top_p, i.e. a token is kept when the mass before it is under top_p (vLLM's rule too)."""

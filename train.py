@@ -17,14 +17,15 @@ from types import SimpleNamespace
 import torch
 
 import dist
+from ablations.critic_head import open_value_head
 from ablations.silent_groups import resample_silent
 from advantages import advantages_for, values_for
-from checkpoint import Saver, load_value_head, open_run, record_start, repair_metrics, restore
+from checkpoint import Saver, open_run, record_start, repair_metrics, restore
 from config import Config, config_changes, parse_config
 from critic import critic_update, open_critic
 from data import input_problem, load_splits
 from grader import grade
-from model import (Scorer, load_model, load_tokenizer, max_positions, new_value_head, pick_device, pick_dtype,
+from model import (Scorer, load_model, load_tokenizer, max_positions, pick_device, pick_dtype,
                    resolve_model)
 from ppo import micro_batches, pad_episodes, policy_optimizer, policy_update
 from rollout import evaluation, make_sampler, open_engine, rollouts
@@ -152,8 +153,7 @@ def setup(cfg: Config) -> SimpleNamespace:
                         trust_remote_code=cfg.trust_remote_code)
     reference = load_model(cfg.model, device=device, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
                            frozen=True)  # fp32 like the policy: in bf16, KL(policy || reference) starts at 0.011
-    value_head = new_value_head(policy) if cfg.critic == "head" else None  # the ablation: a head on the policy
-    load_value_head(source, value_head)
+    value_head = open_value_head(policy, source=source) if cfg.critic == "head" else None  # the ablation
     critic = open_critic(cfg, source=source, device=device, dtype=dtype)  # --critic separate: the paper's PPO
     stop_strings = ["\n\n\nProblem:"] if cfg.prompt_format == "sft" else []
     sampler = make_sampler(backend, policy=policy, tokenizer=tokenizer, dtype=dtype, stop_strings=stop_strings,

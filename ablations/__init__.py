@@ -6,4 +6,5 @@ one call site chosen by its flag. docs/forking.md shows how to add one.
     branching.py      --step-split tokens:N / lowprob:P / entropy:F: where vines branch other than at text steps
     silent_groups.py  --vines-where silent, --resample-silent: the groups whose responses all got one reward
     vine_temperature.py  --vine-temperature T: vines at a temperature of their own (docs/forking.md's example)
+    critic_head.py    --critic head: PPO's critic as a head on the policy's trunk (the paper's is separate: critic.py)
 """

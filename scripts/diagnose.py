@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from ablations.adaptive_k import round_sizes
-from checkpoint import load_value_head
+from ablations.critic_head import open_value_head
 from critic import load_critic
 from config import step_split_problem
 from data import encode_prompt, load_split
 from engine import HFSampler
-from model import load_model, load_tokenizer, new_value_head, pick_dtype, response_logprobs
+from model import load_model, load_tokenizer, pick_dtype, response_logprobs
 from values import mc_rollouts, step_token_starts
 
 
@@ -244,8 +244,7 @@ def main():
         critic = load_critic(str(Path(args.checkpoint) / "critic"), device=torch.device("cpu"), dtype=torch.float32)
         critic_kind, estimates["critic"] = "separate", separate_critic_values(critic, states)
     elif (Path(args.checkpoint) / "value_head.pt").exists():  # --critic head
-        head = new_value_head(model)
-        load_value_head(Path(args.checkpoint), head)  # without running code, as train.py's resume
+        head = open_value_head(model, source=Path(args.checkpoint))  # without running code, as train.py's resume
         critic_kind, estimates["critic"] = "head", critic_values(model, head, states)
     summary = {name: {"mae": sum(abs(e - t) for e, t in zip(est, truth)) / len(truth),
                       "ranking_accuracy": ranking_accuracy(est, truth)} for name, est in estimates.items()}

@@ -14,8 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dist  # noqa: E402
+from ablations.critic_head import new_value_head  # noqa: E402
 from checkpoint import save_final  # noqa: E402
-from model import Scorer, new_value_head  # noqa: E402
+from model import Scorer  # noqa: E402
 from ppo import batch_logprobs, pad_episodes, pad_rows, ppo_update  # noqa: E402
 from rollout import Sample  # noqa: E402
 from sampling import requests_in_waves  # noqa: E402

@@ -83,7 +83,7 @@ def test_resume_refuses_a_crafted_pickle_without_running_it(tmp_path, monkeypatc
 
 
 def test_a_crafted_value_head_is_refused_without_running_it(tmp_path, monkeypatch):
-    from checkpoint import load_value_head
+    from ablations.critic_head import load_value_head
     monkeypatch.chdir(tmp_path)
     (tmp_path / "value_head.pt").write_bytes(pickle.dumps({"weight": RunsCode()}))
     with pytest.raises(SystemExit) as e:

@@ -7,12 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ablations.critic_head import new_value_head
 from advantages import advantages_for, values_for
 from checkpoint import restore, save_critic
 from config import config_changes, parse_config
 from critic import Critic, SeparateCritic, critic_update, load_critic
 from dist_worker import episodes, tiny_policy
-from model import Scorer, new_value_head
+from model import Scorer
 from ppo import make_optimizer, micro_batches, pad_episodes, policy_update
 
 REWARDS = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0]
