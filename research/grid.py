@@ -13,7 +13,7 @@ import torch
 
 from checkpoint import weights_sha256
 from model import cpu_bf16_units, pick_dtype
-from scripts.plot import read_metrics
+from runlog import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train.py and sft.py run from there
 

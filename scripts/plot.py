@@ -5,22 +5,13 @@ against iteration (top row) and against training wall-clock (bottom row). And, f
     python -m scripts.plot runs/arith-vine-k9-s0/metrics.jsonl runs/arith-grpo-k9-s0/metrics.jsonl --out curves.png
 """
 import argparse
-import json
 import math
 from pathlib import Path
 
+from runlog import read_metrics
+
 PANELS = (("reward_mean", "train reward"), ("eval_accuracy", "test pass@1"), ("kl_ref", "KL to reference"),
           ("tokens_per_s", "sampled tokens / s"))
-
-
-def read_metrics(path: str) -> list[dict]:
-    records = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise SystemExit(f"error: {path}:{number}: not a JSON line") from None
-    return records
 
 
 def run_label(path: str) -> str:

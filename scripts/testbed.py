@@ -31,7 +31,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scripts.plot import mean_se, plot_bands, pm, read_metrics, summarize_grid, summary_markdown
+from runlog import read_metrics
+from scripts.plot import mean_se, plot_bands, pm, summarize_grid, summary_markdown
 from research.grid import ESTIMATORS, describe, record_machine, sft_stage, this_machine
 from research.replication.replicate import summarize, table
 

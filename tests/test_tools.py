@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 from scripts.diagnose import expected_mc_error, ranking_accuracy, sibling_states
-from scripts.plot import plot_runs, read_metrics
+from runlog import read_metrics
+from scripts.plot import plot_runs
 from scripts.visualize import colour, render_html
 
 

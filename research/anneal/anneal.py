@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from research.anneal.anneal_probes import VERSION, probe
-from scripts.plot import mean_se, pm, read_metrics
+from runlog import read_metrics
+from scripts.plot import mean_se, pm
 from research.grid import ESTIMATORS, sft_stage, this_machine
 from scripts.testbed import EVAL_EVERY, SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest
 

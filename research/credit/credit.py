@@ -23,7 +23,8 @@ from pathlib import Path
 
 from research.free_samples.free_samples import ARMS as FREE_ARMS
 from research.free_samples.free_samples import sample_groups, token_curve, true_values
-from scripts.plot import area, eval_curve, mean_se, pm, read_metrics
+from runlog import read_metrics
+from scripts.plot import area, eval_curve, mean_se, pm
 from research.grid import ESTIMATORS, sft_stage, this_machine
 from scripts.testbed import (SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest, summary,
                              truth_arguments, truth_choices)

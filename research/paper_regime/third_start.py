@@ -27,7 +27,7 @@ import torch
 
 from research.paper_regime.paper_regime import ARMS as REGIME_ARMS, SFT_SETTINGS, STARTS, calibrate, grid_choices, matched_flags, \
     matched_samples, run_evaluated, start_stage
-from scripts.plot import read_metrics
+from runlog import read_metrics
 from research.paper_regime.regime_report import sft_validation
 from research.vines_where.vines_where import resample_count, resample_flags
 

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from research.grid import ESTIMATORS, ROOT, describe, record_machine, sft_stage, this_machine
-from scripts.plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
+from runlog import read_metrics
+from scripts.plot import plot_runs, plot_bands, summarize_grid, summary_markdown
 
 SETTINGS = ["--dataset", "arith", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "96",
             "--lr", "2e-5", "--no-lr-decay", "--value-lr", "1e-4", "--minibatch-size", "8", "--micro-batch-size", "8",

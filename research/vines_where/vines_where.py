@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from research.paper_regime.paper_regime import ARMS as REGIME_ARMS, PROMPTS, TASKS, adopt_runs, grid_choices, run_evaluated
-from scripts.plot import read_metrics
+from runlog import read_metrics
 from research.paper_regime.regime_report import report, start_shift
 from scripts.testbed import SETTINGS, sft_digest
 
