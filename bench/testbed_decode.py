@@ -1,7 +1,7 @@
 """The testbed's decode against its limit: our sampler's tokens/s for one iteration's rollouts and vines of the
-testbed model (scripts/testbed.py: 64 prompts x 8, up to 64 tokens, T 0.6, top-p 0.9, K = 9 at every line), on one
-thread as the testbed's runs have it, beside the matmul limit at those shapes (bench.sampler's method), and where the
-time goes.
+testbed model (research/grid.py SETTINGS: 64 prompts x 8, up to 64 tokens, T 0.6, top-p 0.9, K = 9 at every line), on
+one thread as the testbed's runs have it, beside the matmul limit at those shapes (bench.sampler's method), and where
+the time goes.
 
     python -m bench.testbed_decode --model runs/testbed/sft            (about a minute)
     python -m bench.testbed_decode --model runs/testbed/sft --profile  (and a cProfile of the vines, by own time)

@@ -10,7 +10,7 @@ import pytest
 from config import parse_config
 from research.paper_regime import paper_regime, regime_report
 from research.paper_regime.paper_regime import ARMS, grid_arms, matched_flags, matched_samples
-from scripts.testbed import SETTINGS
+from research.grid import SETTINGS
 
 DIGEST = "ab" * 32
 
@@ -182,9 +182,9 @@ def test_the_grid_command_refuses_an_unknown_task_or_arm():
 
 
 def test_run_grid_takes_each_folders_own_arm_flags_and_reports_each_run_as_it_ends(tmp_path, monkeypatch):
-    """scripts.testbed.run_grid with folder_arms: a cell's train.py command carries its folder's flags for the arm
+    """research.grid.run_grid with folder_arms: a cell's train.py command carries its folder's flags for the arm
     (grpo-matched's samples per task), and on_done gets each run's folder when it ends."""
-    from scripts import testbed
+    from research import grid
     launched, ended = [], []
 
     class Finished:
@@ -195,13 +195,13 @@ def test_run_grid_takes_each_folders_own_arm_flags_and_reports_each_run_as_it_en
 
         def poll(self):
             return 0
-    monkeypatch.setattr(testbed.subprocess, "Popen", Finished)
-    monkeypatch.setattr(testbed.time, "sleep", lambda _: None)
+    monkeypatch.setattr(grid.subprocess, "Popen", Finished)
+    monkeypatch.setattr(grid.time, "sleep", lambda _: None)
     folders = {tmp_path / task: tmp_path / task / "sft" for task in ("easy", "hard")}
     for sft in folders.values():
         sft.mkdir(parents=True)
         (sft / "model.sha256").write_text(DIGEST + "\n")
-    testbed.run_grid([(folder, "grpo-matched", 0) for folder in folders], sft_dirs=folders,
+    grid.run_grid([(folder, "grpo-matched", 0) for folder in folders], sft_dirs=folders,
                      extras={f: [] for f in folders}, jobs=2, machine={}, arms={},
                      folder_arms={f: grid_arms(f.name) for f in folders}, on_done=ended.append)
     samples = [cmd[len(cmd) - 1 - cmd[::-1].index("--samples-per-prompt") + 1] for cmd in launched]

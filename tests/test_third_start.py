@@ -7,7 +7,7 @@ import pytest
 
 from config import parse_config
 from research.paper_regime import paper_regime, third_start
-from scripts.testbed import SETTINGS
+from research.grid import SETTINGS
 from tests.test_paper_regime import fake_run
 
 

@@ -9,7 +9,7 @@ import pytest
 from config import parse_config
 from conftest import REPO
 from research.vines_where import vines_where
-from scripts.testbed import SETTINGS
+from research.grid import SETTINGS
 from tests.test_paper_regime import DIGEST, fake_run
 
 

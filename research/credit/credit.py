@@ -9,7 +9,7 @@ lines and n filler lines "~x", x a free tag the reward ignores).
 
 Each setting has its own SFT model from scratch (OUT/<setting>/sft): the testbed's SFT recipe stopped at the first
 check where greedy pass@1 on the validation split (problems in neither train nor test) reaches STOP_AT (sft.py
---stop-at), so that every length starts at a comparable pass@1. RL is the testbed's (scripts/testbed.py SETTINGS:
+--stop-at), so that every length starts at a comparable pass@1. RL is the testbed's (research/grid.py SETTINGS:
 64 x 8, 30 iterations, K = 9, ...) with --max-new-tokens scaled with the response (task_flags). Cells run in PLAN's
 order, two at a time; each is OUT/<setting>/<arm>-s<seed>, bound to its SFT model by start.json. Compared on three
 cost axes, paired vine - grpo by seed: per iteration, per sampled token, per training wall-clock; the slope of that
@@ -23,11 +23,11 @@ from pathlib import Path
 
 from research.free_samples.free_samples import ARMS as FREE_ARMS
 from research.free_samples.free_samples import sample_groups, token_curve, true_values
+from research.grid import (ESTIMATORS, SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest,
+                           sft_stage, this_machine, truth_arguments, truth_choices)
+from research.readout import area, eval_curve, mean_se, pm
+from research.summary import summary
 from runlog import read_metrics
-from scripts.plot import area, eval_curve, mean_se, pm
-from research.grid import ESTIMATORS, sft_stage, this_machine
-from scripts.testbed import (SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest, summary,
-                             truth_arguments, truth_choices)
 
 OUT = "runs/credit"  # the default output, ignored by git (the committed grid: --out research/credit/results/credit)
 SETTINGS = {"chain-L2": (2, 0), "chain-L4": (4, 0), "chain-L6": (6, 0), "chain-L8": (8, 0),

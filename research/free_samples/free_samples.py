@@ -4,7 +4,7 @@
     python -m research.free_samples.free_samples --redraw              only the summary from the finished runs
     python -m research.free_samples.free_samples --values              Fig. 3 for the free-sample variants on the SFT model
 
-Every arm is train.py with the testbed's settings (scripts/testbed.py SETTINGS), from the testbed's SFT model
+Every arm is train.py with the testbed's settings (research/grid.py SETTINGS), from the testbed's SFT model
 (--testbed/sft, made once if missing), seeds paired:
     vine        --estimator vine: K = 9 fresh vines at every state (the paper)
     vine-free   --estimator vine --free-samples topup: the responses of the same prompt that pass through a state are
@@ -20,12 +20,11 @@ import argparse
 import random
 from pathlib import Path
 
-from scripts.plot import area, mean_se
-from research.grid import sft_stage
-from scripts.testbed import ARMS as TESTBED_ARMS
-from scripts.testbed import OUT as TESTBED
-from scripts.testbed import (SFT_SETTINGS, arm_grid, grid_arguments, grid_choices, paired_cells, truth_arguments,
-                             truth_choices)
+from research.grid import ARMS as TESTBED_ARMS
+from research.grid import OUT as TESTBED
+from research.grid import SFT_SETTINGS, grid_arguments, grid_choices, sft_stage, truth_arguments, truth_choices
+from research.readout import area, mean_se, paired_cells
+from research.summary import arm_grid
 
 OUT = "runs/free-samples"  # the default output, ignored by git (the committed grid: --out research/free_samples/results/free-samples)
 ARMS = {"vine": ["--estimator", "vine"], "vine-free": TESTBED_ARMS["vine-free"],
@@ -50,7 +49,7 @@ def token_curve(records: list[dict]) -> list[tuple[float, float]]:
 
 
 def cost_table(runs: dict[str, dict[int, list[dict]]], *, baseline: str = "vine") -> str:
-    """Per arm (runs: arm -> seed -> metrics, testbed.done_runs), mean +- SE over seeds and paired with `baseline` by
+    """Per arm (runs: arm -> seed -> metrics, grid.done_runs), mean +- SE over seeds and paired with `baseline` by
     seed: mean pass@1 over the evaluations after iteration 0 (per iteration), mean pass@1 over sampled tokens (up to
     the costliest run's total), and the cost of an iteration: tokens sampled, vines, free samples per state, seconds."""
     curves = {arm: {seed: token_curve(records) for seed, records in by_seed.items()} for arm, by_seed in runs.items()}

@@ -23,7 +23,7 @@ to 0 after 5% warmup, greedy validation pass@1 on 200 problems every 100 steps, 
 samples at T 0.35 (the paper's evaluation), and train pass@1 sampled at T 0.6 (RL's temperature: not memorised).
 
 --lift (OUT/<task>/lift/<arm>-s<seed>): grpo and vine (K = 9) from each task's SFT model, the testbed's RL recipe
-(scripts/testbed.py SETTINGS: 30 iterations of 64 x 8, T 0.6, KL 1e-4, greedy pass@1 on the 500 test problems every
+(research/grid.py SETTINGS: 30 iterations of 64 x 8, T 0.6, KL 1e-4, greedy pass@1 on the 500 test problems every
 3 iterations) at two policy lrs, 5e-5 (the testbed's) and 2e-4, two runs at a time, one thread each. A setting lifts
 the start if its mean pass@1 over iterations 3-30 is above the run's own iteration 0 by more than 2 SE over seeds.
 
@@ -44,11 +44,10 @@ from checkpoint import weights_sha256
 from data import load_split
 from engine import HFSampler
 from model import load_model, load_tokenizer
-from rollout import evaluate
-from scripts.plot import mean_se, pm
+from research.grid import SETTINGS, TASK, done_runs, run_grid, run_state, sft_digest, sft_stage, this_machine
 from research.paper_regime.regime_report import report
-from research.grid import ROOT, sft_stage, this_machine
-from scripts.testbed import SETTINGS, TASK, done_runs, run_grid, run_state, sft_digest
+from research.readout import mean_se, pm
+from rollout import evaluate
 
 OUT = "runs/paper-regime"  # the default output, ignored by git (the committed runs: --out research/paper_regime/results/paper-regime)
 TASKS = {"easy": ["--chain-bug", "borrow", "--chain-bug-rate", "0.7"],

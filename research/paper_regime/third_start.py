@@ -7,7 +7,7 @@ every gap of the earlier grids measured again from another start.
 
 C is the hard task's recipe (research.paper_regime.paper_regime: SFT_SETTINGS + the borrow-carry bug) with SFT seed 1 instead of 0
 (STARTS["hard-c"]); its weights are committed in research/paper_regime/results/paper-regime/hard-c/sft beside their sha256, so a cell reruns
-on any CPU (paper_regime.start_stage). Arms (the paper-regime recipe, scripts/testbed.py SETTINGS at lr 5e-5):
+on any CPU (paper_regime.start_stage). Arms (the paper-regime recipe, research/grid.py SETTINGS at lr 5e-5):
     vine, vine-k3, vine-k1     VinePPO with K = 9 (the paper), 3 and 1 fresh vines a state
     critic                     the paper's PPO: a separate critic (value lr 1e-3)
     grpo                       and grpo-matched: grpo given vine's sampled tokens on C (matched_samples)

@@ -7,7 +7,7 @@ without contrast beat the same samples spent as fresh responses?
     python -m research.vines_where.vines_where --redraw                        results.md, results.json, curves.png
 
 Arms, from each paper-regime task's SFT model (research.paper_regime.paper_regime, run first; its folder: --regime) with the same
-recipe (scripts/testbed.py SETTINGS at lr 5e-5):
+recipe (research/grid.py SETTINGS at lr 5e-5):
     vine-silent    --vines-where silent: grpo's advantages in groups with contrast, VinePPO's (K = 9) in the others
     grpo-resample  --resample-silent M: grpo, and M fresh responses more to each silent group's prompt; M per task
                    (RESAMPLE) gives it vine-silent's sampled tokens an iteration, measured on vine-silent's seed 0
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from research.grid import SETTINGS, sft_digest
 from research.paper_regime.paper_regime import ARMS as REGIME_ARMS, PROMPTS, TASKS, adopt_runs, grid_choices, run_evaluated
-from runlog import read_metrics
 from research.paper_regime.regime_report import report, start_shift
-from scripts.testbed import SETTINGS, sft_digest
+from runlog import read_metrics
 
 OUT, REGIME = "runs/vines-where", "runs/paper-regime"  # defaults, outside git (committed: results/...)
 # grpo-resample's fresh responses per silent group: resample_count on vine-silent's seed 0 of each task (--measure),
