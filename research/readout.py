@@ -1,6 +1,7 @@
 """The read-out of finished runs that the studies share, from each run's metrics.jsonl alone (runlog.read_metrics), so
-that a clean checkout redraws it: the statistics over seeds (held curves, mean +- SE, the area under pass@1 against
-time, paired differences to a baseline: summarize_grid) and their tables, one row per run (summarize, table), and the
+that a clean checkout redraws it: a run's curves (pass@1 against minutes or iterations, eval_curve; against tokens
+sampled, token_curve), the statistics over seeds (held curves, mean +- SE, the area under pass@1 against time, paired
+differences to a baseline: summarize_grid) and their tables, one row per run (summarize, table), and the
 pictures (plot_runs: each run's curves, scripts/plot.py's; plot_bands: a grid's, mean +- SE over seeds).
 """
 import math
@@ -11,6 +12,7 @@ from runlog import read_metrics
 # plot_runs' panels: each run's curves against iteration and against training wall-clock
 PANELS = (("reward_mean", "train reward"), ("eval_accuracy", "test pass@1"), ("kl_ref", "KL to reference"),
           ("tokens_per_s", "sampled tokens / s"))
+BATCH = 64 * 8  # responses an iteration (research/grid.py SETTINGS): token_curve's count for runs before sampled_tokens
 
 
 def run_label(path: str) -> str:
@@ -50,6 +52,18 @@ def eval_curve(records: list[dict], x: str = "minutes") -> list[tuple[float, flo
     """(training minutes, pass@1) of every evaluation of a run, in order; x="iteration": (iteration, pass@1)."""
     return [(r.get("train_seconds", 0.0) / 60 if x == "minutes" else r["iteration"], r["eval_accuracy"])
             for r in records if "eval_accuracy" in r]
+
+
+def token_curve(records: list[dict]) -> list[tuple[float, float]]:
+    """(millions of tokens sampled so far, pass@1) at every evaluation: rollout + vine tokens of the iterations up to
+    it (sampled_tokens; runs from before it was logged: response_length x BATCH + vine_tokens)."""
+    out, total = [], 0.0
+    for r in records:
+        if r["iteration"] > 0:
+            total += r["sampled_tokens"] if "sampled_tokens" in r else r["response_length"] * BATCH + r.get("vine_tokens", 0)
+        if "eval_accuracy" in r:
+            out.append((total / 1e6, r["eval_accuracy"]))
+    return out
 
 
 def reward_curve(records: list[dict], *, window: int = 5) -> list[tuple[float, float]]:
