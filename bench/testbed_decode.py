@@ -6,7 +6,7 @@ the time goes.
     python -m bench.testbed_decode --model runs/testbed/sft            (about a minute)
     python -m bench.testbed_decode --model runs/testbed/sft --profile  (and a cProfile of the vines, by own time)
 
-The limit: a generated token costs one pass through every weight matrix; bench.sampler.decode_step_matmul_seconds
+The limit: a generated token costs one pass through every weight matrix; bench.timing.decode_step_matmul_seconds
 times exactly those matmuls at the decode batch (the sampler's 512 rows); limit = rows / that time. Attention, the
 norms, the sampling and Python are what the rest of a step costs. The last line: rollout_frac=<rollout tok/s / limit>
 vine_frac=<vine tok/s / limit> (with --json PATH, every figure).
@@ -23,7 +23,7 @@ import time
 import torch
 
 from ablations.free_samples import estimate_values
-from bench.sampler import decode_step_matmul_seconds, matmul_gflops
+from bench.timing import decode_step_matmul_seconds, matmul_gflops
 from data import encode_prompt, load_split
 from engine import HFSampler
 from grader import grade
