@@ -4,7 +4,7 @@ memory, the training clock, when an evaluation or a checkpoint is due, and what 
 training.
 
 metrics.jsonl (the source of truth, fsynced line by line before the checkpoint that covers it) is written by rank 0
-alone; the other ranks' RunLog writes nothing and prints nothing.
+alone; the other ranks' RunLog writes nothing and prints nothing. read_metrics reads it back (the plots, the grids).
 
 Peak memory on a CPU is the process's resident high-water mark (VmHWM in /proc/self/status), reset at the start of
 each section by writing 5 to /proc/self/clear_refs (Linux); elsewhere it is the run's peak so far. On CUDA it is
@@ -243,6 +243,18 @@ def append_metrics(log, record: dict):
     log.write(json.dumps(record) + "\n")
     log.flush()
     os.fsync(log.fileno())
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl (append_metrics' lines), in order; a line that is not JSON is a one-line
+    error."""
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise SystemExit(f"error: {path}:{number}: not a JSON line") from None
+    return records
 
 
 def due(done: int, *, every: int, last: int, now: bool = False) -> bool:

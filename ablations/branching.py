@@ -8,7 +8,8 @@ put the branch points elsewhere, each as a list of the first token of every step
                 thinned
     entropy:F   before the tokens in the top fraction F of the response's per-token policy entropies (TreeRL's
                 forks), highest first; the entropies come from the policy's pass that also gives the update its old
-                log-probs (policy_entropies)
+                log-probs (policy_entropies), or, for one response outside training, from token_entropies (the
+                diagnostics: scripts/diagnose.py, research.branching.branching --where)
 
 lowprob and entropy keep at most as many states as the text rule gives the same response, so that every rule but
 tokens:N spends at most its vine budget. It joins the paper's path at values.step_token_starts
@@ -16,6 +17,9 @@ tokens:N spends at most its vine budget. It joins the paper's path at values.ste
 """
 import math
 
+import torch
+
+from model import response_logprobs
 from ppo import score_batch
 
 
@@ -52,3 +56,13 @@ def policy_entropies(scorer, batch: dict, P: int, *, micro: list, responses: lis
     scored = score_batch(scorer, batch, P, groups=micro, temperature=temperature, top_p=top_p, with_entropy=True)
     batch["old_logprobs"], batch["log_mass"] = scored["logprobs"], scored["log_mass"]  # (B, R) each
     return [scored["entropy"][i, :len(r)].tolist() for i, r in enumerate(responses)]
+
+
+@torch.no_grad()
+def token_entropies(model, context: list[int], tokens: list[int], *, temperature: float) -> list[float]:
+    """The policy's entropy (temperature-scaled, full vocabulary) at each of `tokens`, given `context` before them:
+    model.response_logprobs' entropies, as training's scoring pass computes them."""
+    ids = torch.tensor([context + tokens])
+    _, entropy, _, _ = response_logprobs(model, input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         response_start=len(context), temperature=temperature, with_entropy=True)
+    return entropy[0].float().tolist()

@@ -13,7 +13,7 @@ import copy
 
 import torch
 
-from bench.sampler import best_time
+from bench.timing import best_time
 from model import DEFAULT_MODEL, load_model
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench.sampler import best_time
+from bench.timing import best_time
 from checkpoint import load_trainer_state
 from data import encode_prompt, load_split
 from model import Scorer, load_model, load_tokenizer, pick_dtype

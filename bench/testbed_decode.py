@@ -1,12 +1,12 @@
 """The testbed's decode against its limit: our sampler's tokens/s for one iteration's rollouts and vines of the
-testbed model (scripts/testbed.py: 64 prompts x 8, up to 64 tokens, T 0.6, top-p 0.9, K = 9 at every line), on one
-thread as the testbed's runs have it, beside the matmul limit at those shapes (bench.sampler's method), and where the
-time goes.
+testbed model (research/grid.py SETTINGS: 64 prompts x 8, up to 64 tokens, T 0.6, top-p 0.9, K = 9 at every line), on
+one thread as the testbed's runs have it, beside the matmul limit at those shapes (bench.sampler's method), and where
+the time goes.
 
     python -m bench.testbed_decode --model runs/testbed/sft            (about a minute)
     python -m bench.testbed_decode --model runs/testbed/sft --profile  (and a cProfile of the vines, by own time)
 
-The limit: a generated token costs one pass through every weight matrix; bench.sampler.decode_step_matmul_seconds
+The limit: a generated token costs one pass through every weight matrix; bench.timing.decode_step_matmul_seconds
 times exactly those matmuls at the decode batch (the sampler's 512 rows); limit = rows / that time. Attention, the
 norms, the sampling and Python are what the rest of a step costs. The last line: rollout_frac=<rollout tok/s / limit>
 vine_frac=<vine tok/s / limit> (with --json PATH, every figure).
@@ -23,7 +23,7 @@ import time
 import torch
 
 from ablations.free_samples import estimate_values
-from bench.sampler import decode_step_matmul_seconds, matmul_gflops
+from bench.timing import decode_step_matmul_seconds, matmul_gflops
 from data import encode_prompt, load_split
 from engine import HFSampler
 from grader import grade

@@ -26,23 +26,14 @@ from pathlib import Path
 import torch
 
 from ablations.adaptive_k import round_sizes
+from ablations.branching import token_entropies
 from ablations.critic_head import open_value_head
 from critic import load_critic
 from config import step_split_problem
 from data import encode_prompt, load_split
 from engine import HFSampler
-from model import load_model, load_tokenizer, pick_dtype, response_logprobs
+from model import load_model, load_tokenizer, pick_dtype
 from values import mc_rollouts, step_token_starts
-
-
-@torch.no_grad()
-def token_entropies(model, context: list[int], tokens: list[int], *, temperature: float) -> list[float]:
-    """The policy's entropy (temperature-scaled, full vocabulary) at each of `tokens`, given `context` before them:
-    model.response_logprobs' entropies, as training's scoring pass computes them."""
-    ids = torch.tensor([context + tokens])
-    _, entropy, _, _ = response_logprobs(model, input_ids=ids, attention_mask=torch.ones_like(ids),
-                                         response_start=len(context), temperature=temperature, with_entropy=True)
-    return entropy[0].float().tolist()
 
 
 def branch_starts(sample, context: list[int], *, tokenizer, dataset: str, split: str, model,

@@ -92,7 +92,8 @@ def test_tracker_shows_the_steps_the_vines_used():
 
 def test_branching_arms_and_budget_table(tmp_path):
     from research.branching.branching import RULES, budget_table
-    from scripts.testbed import ITERATIONS, done_runs, iteration_table
+    from research.grid import ITERATIONS, done_runs
+    from research.summary import iteration_table
     splits = [flags[flags.index("--step-split") + 1] for flags in RULES.values()]
     assert splits == ["auto", "tokens:10", "lowprob:0.9", "entropy:0.2", "lowprob:0.9"]
     assert all(step_split_problem(split) is None for split in splits)

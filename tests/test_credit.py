@@ -71,7 +71,7 @@ def test_slope_over_seeds_uses_the_seeds_with_every_point():
 def finished(run_dir: Path, *, start: str, accuracy: float, tokens: int, seconds: float):
     """A finished run: pass@1 `accuracy` at every evaluation after the first (0.5), `tokens` sampled and `seconds`
     taken an iteration."""
-    from scripts.testbed import EVAL_EVERY, ITERATIONS
+    from research.grid import EVAL_EVERY, ITERATIONS
     run_dir.mkdir(parents=True)
     records = [{"iteration": i, "reward_mean": 0.5, "kl_ref": 0.0, "seconds": seconds, "train_seconds": seconds * i,
                 "sampled_tokens": tokens, "response_length": 10,

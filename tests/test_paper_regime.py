@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from config import parse_config
-from research.paper_regime import paper_regime, regime_report
-from research.paper_regime.paper_regime import ARMS, grid_arms, matched_flags, matched_samples
-from scripts.testbed import SETTINGS
+from research.grid import SETTINGS
+from research.paper_regime import paper_regime, recipe, regime_report
+from research.paper_regime.paper_regime import grid_arms
+from research.paper_regime.recipe import ARMS, matched_flags, matched_samples
 
 DIGEST = "ab" * 32
 
@@ -41,7 +42,7 @@ def test_grpo_matched_keeps_the_prompts_and_the_optimizer_steps(samples):
 def test_the_grid_arms_differ_from_grpo_only_where_they_say():
     """vine, vine-free, critic and grpo-matched parse with the grid's settings; the critic is the separate copy;
     grpo-matched takes its task's samples per prompt."""
-    for task in paper_regime.TASKS:
+    for task in recipe.TASKS:
         cfgs = {arm: parse_config([*SETTINGS, *flags, "--device", "cpu"]) for arm, flags in grid_arms(task).items()}
         assert cfgs["vine"].estimator == "vine" and cfgs["vine"].k == 9 and cfgs["vine-free"].free_samples == "topup"
         assert cfgs["critic"].critic == "separate" and cfgs["critic"].value_lr == 1e-3
@@ -56,19 +57,19 @@ def test_final_eval_measures_the_last_checkpoint_once_and_names_it(tmp_path, mon
     (run / "ckpt-000030" / "model.safetensors").write_bytes(b"weights")
     (run / "latest").write_text("ckpt-000030\n")
     calls = []
-    monkeypatch.setattr(paper_regime, "plateau", lambda folder: calls.append(folder.name) or {"test T 0.35 x 16": [0.6, 0.02]})
-    first = paper_regime.final_eval(run)
+    monkeypatch.setattr(recipe, "plateau", lambda folder: calls.append(folder.name) or {"test T 0.35 x 16": [0.6, 0.02]})
+    first = recipe.final_eval(run)
     assert first["checkpoint"] == "ckpt-000030" and first["test T 0.35 x 16"] == [0.6, 0.02]
     assert first["sha256"] == hashlib.sha256(b"weights").hexdigest()
-    assert paper_regime.final_eval(run) == first and calls == ["ckpt-000030"]
+    assert recipe.final_eval(run) == first and calls == ["ckpt-000030"]
     with pytest.raises(SystemExit, match="no final.json and no checkpoint"):
-        paper_regime.final_eval(tmp_path / "grpo-s0")
+        recipe.final_eval(tmp_path / "grpo-s0")
 
 
 def test_plateau_evaluates_as_the_paper():
     """The paper's evaluation among the plateau's: 16 samples per test problem at T 0.35, and greedy beside it."""
-    assert paper_regime.PLATEAU["test T 0.35 x 16"] == (0.35, 16, "test", 500)
-    assert paper_regime.PLATEAU["test greedy"] == (0.0, 1, "test", 500)
+    assert recipe.PLATEAU["test T 0.35 x 16"] == (0.35, 16, "test", 500)
+    assert recipe.PLATEAU["test greedy"] == (0.0, 1, "test", 500)
 
 
 def test_pass1_from_many_samples_is_the_mean_over_problems_with_its_se():
@@ -182,9 +183,9 @@ def test_the_grid_command_refuses_an_unknown_task_or_arm():
 
 
 def test_run_grid_takes_each_folders_own_arm_flags_and_reports_each_run_as_it_ends(tmp_path, monkeypatch):
-    """scripts.testbed.run_grid with folder_arms: a cell's train.py command carries its folder's flags for the arm
+    """research.grid.run_grid with folder_arms: a cell's train.py command carries its folder's flags for the arm
     (grpo-matched's samples per task), and on_done gets each run's folder when it ends."""
-    from scripts import testbed
+    from research import grid
     launched, ended = [], []
 
     class Finished:
@@ -195,13 +196,13 @@ def test_run_grid_takes_each_folders_own_arm_flags_and_reports_each_run_as_it_en
 
         def poll(self):
             return 0
-    monkeypatch.setattr(testbed.subprocess, "Popen", Finished)
-    monkeypatch.setattr(testbed.time, "sleep", lambda _: None)
+    monkeypatch.setattr(grid.subprocess, "Popen", Finished)
+    monkeypatch.setattr(grid.time, "sleep", lambda _: None)
     folders = {tmp_path / task: tmp_path / task / "sft" for task in ("easy", "hard")}
     for sft in folders.values():
         sft.mkdir(parents=True)
         (sft / "model.sha256").write_text(DIGEST + "\n")
-    testbed.run_grid([(folder, "grpo-matched", 0) for folder in folders], sft_dirs=folders,
+    grid.run_grid([(folder, "grpo-matched", 0) for folder in folders], sft_dirs=folders,
                      extras={f: [] for f in folders}, jobs=2, machine={}, arms={},
                      folder_arms={f: grid_arms(f.name) for f in folders}, on_done=ended.append)
     samples = [cmd[len(cmd) - 1 - cmd[::-1].index("--samples-per-prompt") + 1] for cmd in launched]

@@ -197,7 +197,7 @@ def test_scratch_sft_then_every_estimator_trains_from_it(tmp_path):
 
 def finished_run(run_dir, *, start: str | None):
     """A run folder whose metrics end with the last iteration's evaluation, started from `start` (None: unrecorded)."""
-    from scripts.testbed import ITERATIONS
+    from research.grid import ITERATIONS
     run_dir.mkdir(parents=True)
     records = [{"iteration": i, "eval_accuracy": 0.5 + i / 100, "eval_se": 0.02, "reward_mean": 0.5, "kl_ref": 0.0,
                 "train_seconds": 10.0 * i, "seconds": 10.0} for i in range(ITERATIONS + 1)]
@@ -209,24 +209,25 @@ def finished_run(run_dir, *, start: str | None):
 def test_a_grid_never_reuses_runs_made_from_another_sft_model(tmp_path, monkeypatch):
     """run_state tells a finished run of this SFT model from one of another (or of none recorded); run_cells refuses
     a folder holding the latter in one line before running anything, and the summary leaves it out."""
-    import scripts.testbed as testbed
+    from research import grid
+    from research.summary import summary
     sft = tmp_path / "sft"
     sft.mkdir()
     (sft / "model.sha256").write_text("a" * 64 + "\n")
     finished_run(tmp_path / "vine-s0", start="a" * 64)
     finished_run(tmp_path / "grpo-s0", start="b" * 64)
     finished_run(tmp_path / "rloo-s0", start=None)
-    assert testbed.run_state(tmp_path / "vine-s0", start="a" * 64) == "done"
-    assert testbed.run_state(tmp_path / "grpo-s0", start="a" * 64) == "other start"
-    assert testbed.run_state(tmp_path / "rloo-s0", start="a" * 64) == "other start"
-    monkeypatch.setattr(testbed.subprocess, "Popen", lambda *a, **k: pytest.fail("nothing may run"))
-    assert testbed.run_cells([("vine", 0)], out=tmp_path, sft_dir=sft, extra=[], jobs=1, machine={}) == []
+    assert grid.run_state(tmp_path / "vine-s0", start="a" * 64) == "done"
+    assert grid.run_state(tmp_path / "grpo-s0", start="a" * 64) == "other start"
+    assert grid.run_state(tmp_path / "rloo-s0", start="a" * 64) == "other start"
+    monkeypatch.setattr(grid.subprocess, "Popen", lambda *a, **k: pytest.fail("nothing may run"))
+    assert grid.run_cells([("vine", 0)], out=tmp_path, sft_dir=sft, extra=[], jobs=1, machine={}) == []
     with pytest.raises(SystemExit, match=r"^error: .*: grpo-s0, rloo-s0 started from another model than .*sft "
                                          r"\(sha256 aaaaaaaaaaaa; see their start.json\)"):
-        testbed.run_cells([("vine", 0), ("grpo", 0), ("rloo", 0)], out=tmp_path, sft_dir=sft, extra=[], jobs=1,
+        grid.run_cells([("vine", 0), ("grpo", 0), ("rloo", 0)], out=tmp_path, sft_dir=sft, extra=[], jobs=1,
                           machine={})
     monkeypatch.undo()  # matplotlib's font cache runs a subprocess
-    text, mine = testbed.summary(tmp_path, started=None, extra=[], ran=["vine-s0"])
+    text, mine = summary(tmp_path, started=None, extra=[], ran=["vine-s0"])
     assert "Left out, made from another SFT model: grpo-s0, rloo-s0." in text and "| vine | 1 |" in text
     assert "| grpo |" not in text and "± 0.000" not in text  # one seed: no "± 0.000" as an SE
     assert mine.splitlines()[4] == "| vine-s0 | 0.500 | 0.800 | +0.300 ± 0.020 | 5.2 | 10.0 |"
@@ -291,11 +292,12 @@ def test_the_one_command_runs_the_default_arms_each_beside_a_committed_reference
     vine-adaptive arm left its default list to keep the command near 20 minutes); every one of them has a committed
     5-seed grid from the same SFT recipe among REFERENCES to be placed beside."""
     import argparse
+    from research.summary import REFERENCES
     from scripts import testbed
     parser = argparse.ArgumentParser()
     testbed.grid_arguments(parser, arm="estimator", arms=testbed.ARMS, out=testbed.OUT, default=testbed.DEFAULT)
     assert parser.parse_args([]).estimators == "vine,vine-free,critic-separate,grpo,rloo"
-    summaries = {ref: json.loads((REPO / ref / "results.json").read_text()) for ref in testbed.REFERENCES}
+    summaries = {ref: json.loads((REPO / ref / "results.json").read_text()) for ref in REFERENCES}
     for arm in testbed.DEFAULT:
         assert any(summary["summary"].get(arm, {}).get("seeds") == 5 for summary in summaries.values()), arm
     # the same SFT recipe (its weights differ between CPUs: the invocation table says which start each grid had)

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from config import parse_config
-from research.paper_regime import paper_regime, third_start
-from scripts.testbed import SETTINGS
+from research.grid import SETTINGS
+from research.paper_regime import recipe, third_start
 from tests.test_paper_regime import fake_run
 
 
@@ -17,15 +17,15 @@ def test_start_stage_copies_the_committed_start_when_its_digest_matches(tmp_path
     (shipped / "model.safetensors").write_bytes(b"weights")
     (shipped / "config.json").write_text("{}")
     (shipped / "model.sha256").write_text(hashlib.sha256(b"weights").hexdigest() + "\n")
-    monkeypatch.setattr(paper_regime, "SHIPPED", tmp_path / "shipped")
-    monkeypatch.setattr(paper_regime, "sft_stage", lambda out, settings: (out / "sft", "built"))  # never built here
-    sft_dir, _ = paper_regime.start_stage(tmp_path / "out", "hard-c")
+    monkeypatch.setattr(recipe, "SHIPPED", tmp_path / "shipped")
+    monkeypatch.setattr(recipe, "sft_stage", lambda out, settings: (out / "sft", "built"))  # never built here
+    sft_dir, _ = recipe.start_stage(tmp_path / "out", "hard-c")
     assert sft_dir == tmp_path / "out" / "hard-c" / "sft"
     assert (sft_dir / "model.safetensors").read_bytes() == b"weights" and (sft_dir / "config.json").exists()
     (shipped / "model.safetensors").write_bytes(b"other weights")  # changed since its digest was committed
     with pytest.raises(SystemExit, match="its weights' sha256 .* is not its model.sha256"):
-        paper_regime.start_stage(tmp_path / "again", "hard-c")
-    assert paper_regime.STARTS["hard-c"][-2:] == ["--seed", "1"]  # C: the hard recipe with SFT seed 1
+        recipe.start_stage(tmp_path / "again", "hard-c")
+    assert recipe.STARTS["hard-c"][-2:] == ["--seed", "1"]  # C: the hard recipe with SFT seed 1
 
 
 def test_measure_sets_grpo_matched_and_grpo_resample_from_seed_0(tmp_path):

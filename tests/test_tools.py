@@ -5,8 +5,9 @@ import shutil
 
 import pytest
 
+from research.readout import plot_runs
+from runlog import read_metrics
 from scripts.diagnose import expected_mc_error, ranking_accuracy, sibling_states
-from scripts.plot import plot_runs, read_metrics
 from scripts.visualize import colour, render_html
 
 
@@ -126,7 +127,7 @@ def grid_run(evals: list[tuple[float, float]], kl: float = 1e-3) -> list[dict]:
 
 
 def test_grid_statistics_by_hand():
-    from scripts.plot import area, held, mean_se, summarize_grid, summary_markdown, time_to
+    from research.readout import area, held, mean_se, summarize_grid, summary_markdown, time_to
     curve = [(0.0, 0.2), (4.0, 0.4), (8.0, 0.1)]
     assert [held(curve, t) for t in (0, 3.9, 4, 7, 8, 20)] == [0.2, 0.2, 0.4, 0.4, 0.1, 0.1]
     assert area(curve, minutes=10) == pytest.approx((0.2 * 4 + 0.4 * 4 + 0.1 * 2) / 10)
@@ -153,7 +154,7 @@ def test_grid_statistics_by_hand():
 
 
 def test_bands_end_at_each_runs_final_evaluation():
-    from scripts.plot import bands
+    from research.readout import bands
     # a 10-minute budget; the runs' last iterations end past it (10.2 and 10.4 min), as real runs do
     runs = {"vine": {0: grid_run([(0, 0.2), (9.8, 0.6), (10.2, 0.4)]), 1: grid_run([(0, 0.2), (5, 0.3), (10.4, 0.2)])}}
     band = bands(runs, budget=600, points=53)["vine"]
@@ -163,7 +164,7 @@ def test_bands_end_at_each_runs_final_evaluation():
 
 
 def test_bands_on_iterations_and_the_reward_view(tmp_path):
-    from scripts.plot import bands, plot_bands, reward_curve
+    from research.readout import bands, plot_bands, reward_curve
     runs = {"vine": {0: grid_run([(0, 0.2), (1, 0.6), (2, 0.4)]), 1: grid_run([(0, 0.2), (1, 0.3)])}}
     band = bands(runs, budget=600, points=3, x="iteration")["vine"]  # the shortest seed ends at iteration 1
     assert [t for t, _, _ in band] == [0.0, 0.5, 1.0] and band[-1][1:] == pytest.approx((0.45, 0.15))
@@ -174,7 +175,7 @@ def test_bands_on_iterations_and_the_reward_view(tmp_path):
 
 
 def test_replicate_summarize_one_run_by_hand():
-    from research.replication.replicate import summarize
+    from research.readout import summarize
     records = [{"iteration": 0, "eval_accuracy": 0.5, "eval_se": 0.02, "seconds_eval": 30.0},
                {"iteration": 1, "train_seconds": 40.0, "seconds": 40.0, "reward_mean": 0.2},
                {"iteration": 2, "train_seconds": 80.0, "seconds": 70.0, "reward_mean": 0.6, "eval_accuracy": 0.4,

@@ -8,8 +8,9 @@ import pytest
 
 from config import parse_config
 from conftest import REPO
+from research.grid import SETTINGS
+from research.paper_regime.recipe import resample_count, resample_flags
 from research.vines_where import vines_where
-from scripts.testbed import SETTINGS
 from tests.test_paper_regime import DIGEST, fake_run
 
 
@@ -19,11 +20,11 @@ def test_resample_count_spends_the_vine_tokens_on_fresh_responses():
     records = [{"iteration": 0, "eval_accuracy": 0.5},
                {"iteration": 1, "silent_frac": 0.5, "response_length": 40.0, "vine_tokens": 61440},
                {"iteration": 2, "silent_frac": 0.25, "response_length": 40.0, "vine_tokens": 30720}]
-    assert vines_where.resample_count(records) == 48
+    assert resample_count(records) == 48
     records[2]["vine_tokens"] = 0  # 61,440 over 1,920 fresh-response tokens a response: 32
-    assert vines_where.resample_count(records) == 32
+    assert resample_count(records) == 32
     with pytest.raises(SystemExit, match="no silent group"):
-        vines_where.resample_count([{"iteration": 1, "silent_frac": 0.0, "response_length": 40.0}])
+        resample_count([{"iteration": 1, "silent_frac": 0.0, "response_length": 40.0}])
 
 
 def test_the_arms_parse_with_the_grids_settings(monkeypatch):
@@ -80,7 +81,7 @@ def test_report_pairs_vine_silent_with_its_comparators(tmp_path):
             r.update(silent_before_frac=0.75, resample_found_frac=0.4)
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
     arms = {"vine": ["--estimator", "vine"], "grpo": ["--estimator", "grpo"],
-            "vine-silent": vines_where.ARMS["vine-silent"], "grpo-resample": vines_where.resample_flags(12)}
+            "vine-silent": vines_where.ARMS["vine-silent"], "grpo-resample": resample_flags(12)}
     text = report(tmp_path, arms={"easy": arms}, settings=["--x"], pairs=vines_where.PAIRS)
     assert "| easy | vine-silent − grpo-resample | +0.100 ± 0.000 (2) * |" in text
     assert "| easy | vine-silent − vine | +0.050 ± 0.000 (2) * |" in text

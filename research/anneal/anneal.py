@@ -5,7 +5,7 @@ constant-lr trunk, what each start offers RL (research.anneal.anneal_probes), an
     python -m research.anneal.anneal --seeds 0,1,2 --starts-only      the SFT starts and their probes, no RL
     python -m research.anneal.anneal --redraw                         only the summary from what is finished
 
-Per seed s: the testbed's SFT recipe (scripts/testbed.py SFT_SETTINGS: a 1M Llama from scratch on chain, batch 64,
+Per seed s: the testbed's SFT recipe (research/grid.py SFT_SETTINGS: a 1M Llama from scratch on chain, batch 64,
 lr 3e-3, WARMUP steps of warmup) at constant lr for TRUNK steps into OUT/trunk-s<s>/sft; then four tails, each
 resumed from a copy of a checkpoint (sft.py --resume applies a changed schedule from the saved step):
     decay      TAIL more steps, the lr decaying linearly to 0 (sft.py --decay-steps TAIL)
@@ -14,7 +14,7 @@ resumed from a copy of a checkpoint (sft.py --resume applies a changed schedule 
     constant   the trunk at constant lr until greedy pass@1 on the validation problems reaches decay's (checked every
                MATCH_EVERY steps, at most MATCH_MAX): a start of decay's pass@1 that never decayed
 OUT/<start>-s<s> holds sft/, probe.json (research.anneal.anneal_probes, bound to the model's sha256) and the RL runs
-<arm>-s<s>: the testbed's RL recipe (scripts/testbed.py SETTINGS: 64 x 8, lr 5e-5, 30 iterations), grpo and vine
+<arm>-s<s>: the testbed's RL recipe (research/grid.py SETTINGS: 64 x 8, lr 5e-5, 30 iterations), grpo and vine
 from every start, grpo at lr 2e-5 and 5e-6 from decay and constant. The grpo arms run seed by seed, then vine,
 `--jobs` at a time.
 OUT/results.md, results.json, anneal.png: the starts' probes and RL's gain from each, mean +- SE over seeds, paired
@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 
 from research.anneal.anneal_probes import VERSION, probe
-from scripts.plot import mean_se, pm, read_metrics
-from research.grid import ESTIMATORS, sft_stage, this_machine
-from scripts.testbed import EVAL_EVERY, SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest
+from research.grid import (ESTIMATORS, EVAL_EVERY, SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid,
+                           sft_digest, sft_stage, this_machine)
+from research.readout import mean_se
+from runlog import read_metrics
 
 OUT = "runs/anneal"  # the default output, ignored by git (the committed grid: --out research/anneal/results/anneal)
 WARMUP, TRUNK, TAIL, REWARM, FLOOR, MATCH_EVERY, MATCH_MAX = 100, 200, 100, 25, 0.1, 5, 400

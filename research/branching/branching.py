@@ -3,7 +3,7 @@
     python -m research.branching.branching --seeds 0,1,2      the grid (restartable: finished runs are skipped)
     python -m research.branching.branching --redraw           only the summary and the pictures from the finished runs
 
-Every arm is `train.py --estimator vine` with the testbed's settings (scripts/testbed.py SETTINGS, K = 9, from the
+Every arm is `train.py --estimator vine` with the testbed's settings (research/grid.py SETTINGS, K = 9, from the
 testbed's SFT model, made once into TESTBED/sft) and one --step-split rule (values.step_token_starts):
     lines     auto: a state before every line (VinePPO's rule for GSM8K-like text)
     tokens    tokens:10: every 10 tokens (the generic fallback; ~37-token responses: 4 states, as lines give)
@@ -20,9 +20,10 @@ paired differences to lines) and the budget table. --where prints where each rul
 import argparse
 from pathlib import Path
 
-from scripts.plot import mean_se
-from scripts.testbed import OUT as TESTBED
-from scripts.testbed import arm_grid, grid_arguments, grid_choices
+from research.grid import OUT as TESTBED
+from research.grid import grid_arguments, grid_choices
+from research.readout import mean_se
+from research.summary import arm_grid
 
 OUT = "runs/branching"  # the default output, ignored by git (the committed grid: --out research/branching/results/branching)
 RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
@@ -33,7 +34,7 @@ RULES = {"lines": ["--estimator", "vine", "--step-split", "auto"],
 
 
 def budget_table(runs: dict[str, dict[int, list[dict]]]) -> str:
-    """Per rule (runs: rule -> seed -> metrics, testbed.done_runs), means over iterations then mean +- SE over seeds:
+    """Per rule (runs: rule -> seed -> metrics, grid.done_runs), means over iterations then mean +- SE over seeds:
     states per response asked for, distinct states estimated, vines and vine tokens sampled, and seconds of the
     values section, per iteration."""
     keys = ("steps_per_response", "value_states", "vines", "vine_tokens", "seconds_values", "seconds")
@@ -72,10 +73,10 @@ def where_cuts(model_dir: Path, *, prompts: int = 64, samples: int = 8, seed: in
 
     import torch
 
+    from ablations.branching import token_entropies
     from data import encode_prompt, load_split
     from engine import HFSampler
     from model import load_model, load_tokenizer
-    from scripts.diagnose import token_entropies
     from values import step_token_starts
     tokenizer = load_tokenizer(str(model_dir))
     model = load_model(str(model_dir), device=torch.device("cpu"), dtype=torch.float32, frozen=True)

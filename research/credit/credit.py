@@ -9,7 +9,7 @@ lines and n filler lines "~x", x a free tag the reward ignores).
 
 Each setting has its own SFT model from scratch (OUT/<setting>/sft): the testbed's SFT recipe stopped at the first
 check where greedy pass@1 on the validation split (problems in neither train nor test) reaches STOP_AT (sft.py
---stop-at), so that every length starts at a comparable pass@1. RL is the testbed's (scripts/testbed.py SETTINGS:
+--stop-at), so that every length starts at a comparable pass@1. RL is the testbed's (research/grid.py SETTINGS:
 64 x 8, 30 iterations, K = 9, ...) with --max-new-tokens scaled with the response (task_flags). Cells run in PLAN's
 order, two at a time; each is OUT/<setting>/<arm>-s<seed>, bound to its SFT model by start.json. Compared on three
 cost axes, paired vine - grpo by seed: per iteration, per sampled token, per training wall-clock; the slope of that
@@ -21,18 +21,19 @@ import json
 import time
 from pathlib import Path
 
-from research.free_samples.free_samples import ARMS as FREE_ARMS
-from research.free_samples.free_samples import sample_groups, token_curve, true_values
-from scripts.plot import area, eval_curve, mean_se, pm, read_metrics
-from research.grid import ESTIMATORS, sft_stage, this_machine
-from scripts.testbed import (SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest, summary,
-                             truth_arguments, truth_choices)
+from research.free_samples.truth import sample_groups, true_values
+from research.grid import ARMS as TESTBED_ARMS
+from research.grid import (ESTIMATORS, SFT_SETTINGS, done_runs, grid_arguments, grid_choices, run_grid, sft_digest,
+                           sft_stage, this_machine, truth_arguments, truth_choices)
+from research.readout import area, eval_curve, mean_se, pm, token_curve
+from research.summary import summary
+from runlog import read_metrics
 
 OUT = "runs/credit"  # the default output, ignored by git (the committed grid: --out research/credit/results/credit)
 SETTINGS = {"chain-L2": (2, 0), "chain-L4": (4, 0), "chain-L6": (6, 0), "chain-L8": (8, 0),
             "filler-F4": (4, 4), "filler-F8": (4, 8)}  # name -> (operation lines L, filler lines F)
 ARMS = {"vine": ESTIMATORS["vine"], "grpo": ESTIMATORS["grpo"], "critic": ESTIMATORS["critic"],
-        "rloo": ESTIMATORS["rloo"], "vine-free": FREE_ARMS["vine-free"]}
+        "rloo": ESTIMATORS["rloo"], "vine-free": TESTBED_ARMS["vine-free"]}
 LONG_ONLY = ("critic", "rloo", "vine-free")  # arms run at chain-L8 only
 STOP_AT, MAX_SFT_STEPS, WARMUP_STEPS = 0.5, 3000, 100
 
@@ -126,8 +127,9 @@ def decisive_state(true_values: list[float], reward: float, *, lost: float) -> i
 
 
 def diagnose(model_dir: Path, *, ops: int, filler: int, prompts: int, truth: int, seed: int) -> dict:
-    """Why, on one setting's SFT policy: groups of 8 responses to `prompts` train problems (free_samples.sample_groups),
-    every distinct state's true value from `truth` vines, and K = 9 fresh vines as training takes them. Returns:
+    """Why, on one setting's SFT policy: groups of 8 responses to `prompts` train problems
+    (research.free_samples.truth.sample_groups), every distinct state's true value from `truth` vines, and K = 9 fresh
+    vines as training takes them. Returns:
     - the value error of K = 9 (mean absolute; all states, and states of intermediate truth);
     - the sign accuracy, against the true step advantage where it is at least 0.1 in size, of vine's step advantages
       and of grpo's response advantage applied to every step (before whitening), and how often the estimate is 0

@@ -4,7 +4,7 @@
     python -m research.free_samples.free_samples --redraw              only the summary from the finished runs
     python -m research.free_samples.free_samples --values              Fig. 3 for the free-sample variants on the SFT model
 
-Every arm is train.py with the testbed's settings (scripts/testbed.py SETTINGS), from the testbed's SFT model
+Every arm is train.py with the testbed's settings (research/grid.py SETTINGS), from the testbed's SFT model
 (--testbed/sft, made once if missing), seeds paired:
     vine        --estimator vine: K = 9 fresh vines at every state (the paper)
     vine-free   --estimator vine --free-samples topup: the responses of the same prompt that pass through a state are
@@ -17,15 +17,14 @@ curves.png. --values compares the value estimates themselves (values.estimate_va
 a 256-vine truth on groups of 8 responses: K = 9 fresh, free + 9 fresh (add), free + top-up to 9 (topup).
 """
 import argparse
-import random
 from pathlib import Path
 
-from scripts.plot import area, mean_se
-from research.grid import sft_stage
-from scripts.testbed import ARMS as TESTBED_ARMS
-from scripts.testbed import OUT as TESTBED
-from scripts.testbed import (SFT_SETTINGS, arm_grid, grid_arguments, grid_choices, paired_cells, truth_arguments,
-                             truth_choices)
+from research.free_samples.truth import sample_groups, true_values
+from research.grid import ARMS as TESTBED_ARMS
+from research.grid import OUT as TESTBED
+from research.grid import SFT_SETTINGS, grid_arguments, grid_choices, sft_stage, truth_arguments, truth_choices
+from research.readout import BATCH, area, mean_se, paired_cells, token_curve
+from research.summary import arm_grid
 
 OUT = "runs/free-samples"  # the default output, ignored by git (the committed grid: --out research/free_samples/results/free-samples)
 ARMS = {"vine": ["--estimator", "vine"], "vine-free": TESTBED_ARMS["vine-free"],
@@ -34,23 +33,10 @@ ARMS = {"vine": ["--estimator", "vine"], "vine-free": TESTBED_ARMS["vine-free"],
         # research/free_samples/results/free-samples/value-lr-sweep) and the head it replaces (testbed SETTINGS' value lr 1e-3)
         "critic-separate": ["--estimator", "critic", "--critic", "separate", "--value-lr", "1e-3"],
         "critic-head": ["--estimator", "critic", "--critic", "head"]}
-BATCH = 64 * 8  # responses an iteration (SETTINGS)
-
-
-def token_curve(records: list[dict]) -> list[tuple[float, float]]:
-    """(millions of tokens sampled so far, pass@1) at every evaluation: rollout + vine tokens of the iterations up to
-    it (sampled_tokens; runs from before it was logged: response_length x BATCH + vine_tokens)."""
-    out, total = [], 0.0
-    for r in records:
-        if r["iteration"] > 0:
-            total += r["sampled_tokens"] if "sampled_tokens" in r else r["response_length"] * BATCH + r.get("vine_tokens", 0)
-        if "eval_accuracy" in r:
-            out.append((total / 1e6, r["eval_accuracy"]))
-    return out
 
 
 def cost_table(runs: dict[str, dict[int, list[dict]]], *, baseline: str = "vine") -> str:
-    """Per arm (runs: arm -> seed -> metrics, testbed.done_runs), mean +- SE over seeds and paired with `baseline` by
+    """Per arm (runs: arm -> seed -> metrics, grid.done_runs), mean +- SE over seeds and paired with `baseline` by
     seed: mean pass@1 over the evaluations after iteration 0 (per iteration), mean pass@1 over sampled tokens (up to
     the costliest run's total), and the cost of an iteration: tokens sampled, vines, free samples per state, seconds."""
     curves = {arm: {seed: token_curve(records) for seed, records in by_seed.items()} for arm, by_seed in runs.items()}
@@ -72,51 +58,6 @@ def cost_table(runs: dict[str, dict[int, list[dict]]], *, baseline: str = "vine"
         lines.append(f"| {arm} | {len(by_seed)} | " + " | ".join(cells) +
                      f" | {cost[0]:.3f} | {cost[1]:.0f} | {cost[2]:.2f} | {cost[3]:.1f} |")
     return "\n".join(lines)
-
-
-def sample_groups(model_dir: Path, *, prompts: int, seed: int, ops: int = 4, filler: int = 0,
-                  max_new_tokens: int = 64, batch_size: int = 256) -> tuple:
-    """Groups of 8 responses to `prompts` train problems of chain (ops operations, filler lines) from the model at
-    the testbed's sampling settings. Returns (sampler, batch: values.estimate_values' arguments, keys: each
-    response's states, prompt + prefix tokens). batch_size: the sampler's decode slots."""
-    import torch
-
-    from data import encode_prompt, load_split
-    from engine import HFSampler
-    from grader import grade
-    from model import load_model, load_tokenizer
-    from values import step_token_starts
-    tokenizer = load_tokenizer(str(model_dir))
-    model = load_model(str(model_dir), device=torch.device("cpu"), dtype=torch.float32, frozen=True)
-    sampler = HFSampler(model, tokenizer, dtype=torch.float32, batch_size=batch_size)
-    examples = random.Random(seed).sample(load_split("chain", "train", arith_ops=ops, chain_filler=filler), prompts)
-    ids = [encode_prompt(e["question"], grader="chain", tokenizer=tokenizer, prompt_format="plain") for e in examples]
-    groups = sampler.sample(ids, n=8, temperature=0.6, top_p=0.9, max_new_tokens=max_new_tokens, seed=seed)
-    batch = dict(prompts=[p for p, g in zip(ids, groups) for _ in g],
-                 responses=[s.token_ids for g in groups for s in g],
-                 answers=[e["answer"] for e, g in zip(examples, groups) for _ in g], grader="chain", temperature=0.6,
-                 top_p=0.9, max_new_tokens=max_new_tokens)
-    samples = [s for g in groups for s in g]
-    batch["step_starts"] = [step_token_starts(s.token_ids, s.text, tokenizer=tokenizer, task="chain") for s in samples]
-    batch["rewards"] = [grade(s.text, a, grader="chain", truncated=not s.finished) for s, a in
-                        zip(samples, batch["answers"])]
-    keys = [[tuple(p + r[:t]) for t in st] for p, r, st in zip(batch["prompts"], batch["responses"],
-                                                                 batch["step_starts"])]
-    return sampler, batch, keys
-
-
-def true_values(sampler, batch: dict, keys: list[list[tuple]], *, truth: int, seed: int) -> dict[tuple, float]:
-    """The mean reward of `truth` fresh vines from every distinct state of keys (sample_groups)."""
-    from values import mc_rollouts
-    distinct = sorted({k for ks in keys for k in ks})
-    owner = {k: i for i, ks in enumerate(keys) for k in ks}
-    scores, _ = mc_rollouts(sampler=sampler, sequences=[list(batch["prompts"][owner[k]] + batch["responses"][owner[k]])
-                                                        for k in distinct], prefix_lens=[len(k) for k in distinct],
-                            prompt_lens=[len(batch["prompts"][owner[k]]) for k in distinct],
-                            answers=[batch["answers"][owner[k]] for k in distinct], grader="chain", K=truth,
-                            temperature=batch["temperature"], top_p=batch["top_p"],
-                            max_new_tokens=batch["max_new_tokens"], seed=seed)
-    return {k: sum(sc) / len(sc) for k, sc in zip(distinct, scores)}
 
 
 def value_errors(model_dir: Path, *, prompts: int, truth: int, seed: int) -> str:

@@ -18,9 +18,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from research.free_samples.free_samples import token_curve  # noqa: E402
-from scripts.plot import area, eval_curve, held, mean_se, pm, read_metrics  # noqa: E402
-from scripts.testbed import done_runs, sft_digest  # noqa: E402
+from research.grid import done_runs, sft_digest  # noqa: E402
+from research.readout import area, eval_curve, held, mean_se, pm, token_curve  # noqa: E402
+from runlog import read_metrics  # noqa: E402
 
 AXES = {"iteration": "per iteration", "tokens": "per sampled token", "minutes": "per wall-clock"}
 PAIRS = [("vine", "critic"), ("vine", "grpo"), ("vine", "grpo-matched"), ("vine-free", "vine")]

@@ -23,9 +23,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from research.grid import done_runs, sft_digest  # noqa: E402
 from research.paper_regime.regime_report import AXES, PAPER_EVAL, gap_cell, pair_gap  # noqa: E402
-from scripts.plot import mean_se  # noqa: E402
-from scripts.testbed import done_runs, sft_digest  # noqa: E402
+from research.readout import mean_se  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 STARTS = {"hard": {"A": HERE / "results" / "paper-regime" / "hard",

@@ -5,18 +5,18 @@ every gap of the earlier grids measured again from another start.
     python -m research.paper_regime.third_start --seeds 0,1,2,3,4    the grid, seed by seed (restartable)
     python -m research.paper_regime.third_start --arms vine --seeds 0 --out runs/check    one cell, from the committed start
 
-C is the hard task's recipe (research.paper_regime.paper_regime: SFT_SETTINGS + the borrow-carry bug) with SFT seed 1 instead of 0
+C is the hard task's recipe (research.paper_regime.recipe: SFT_SETTINGS + the borrow-carry bug) with SFT seed 1 instead of 0
 (STARTS["hard-c"]); its weights are committed in research/paper_regime/results/paper-regime/hard-c/sft beside their sha256, so a cell reruns
-on any CPU (paper_regime.start_stage). Arms (the paper-regime recipe, scripts/testbed.py SETTINGS at lr 5e-5):
+on any CPU (recipe.start_stage). Arms (the paper-regime recipe, research/grid.py SETTINGS at lr 5e-5):
     vine, vine-k3, vine-k1     VinePPO with K = 9 (the paper), 3 and 1 fresh vines a state
     critic                     the paper's PPO: a separate critic (value lr 1e-3)
     grpo                       and grpo-matched: grpo given vine's sampled tokens on C (matched_samples)
     vine-silent                vines where the group's other responses agree (corrected rule), grpo's elsewhere
     grpo-resample              grpo and M fresh responses to each silent group (exact steps), M spending
-                               vine-silent's vine tokens on C (vines_where.resample_count)
+                               vine-silent's vine tokens on C (recipe.resample_count)
 Seed 0 of vine, grpo and vine-silent runs first: grpo-matched's responses per prompt and grpo-resample's M are
 measured from those three runs (MEASURED.json in the task folder) before either runs. Then every arm, seed by seed.
-Each finished run's last policy is evaluated as the paper (paper_regime.final_eval). The design: research/paper_regime/README.md,
+Each finished run's last policy is evaluated as the paper (recipe.final_eval). The design: research/paper_regime/README.md,
 "A third start".
 """
 import argparse
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from research.paper_regime.paper_regime import ARMS as REGIME_ARMS, SFT_SETTINGS, STARTS, calibrate, grid_choices, matched_flags, \
-    matched_samples, run_evaluated, start_stage
-from scripts.plot import read_metrics
+from research.paper_regime.recipe import ARMS as REGIME_ARMS
+from research.paper_regime.recipe import (SFT_SETTINGS, STARTS, calibrate, grid_choices, matched_flags, matched_samples,
+                                          resample_count, resample_flags, run_evaluated, start_stage)
 from research.paper_regime.regime_report import sft_validation
-from research.vines_where.vines_where import resample_count, resample_flags
+from runlog import read_metrics
 
 OUT, TASK = "runs/paper-regime", "hard-c"  # default output, outside git (committed: --out research/paper_regime/results/paper-regime)
 ARMS = {"vine": REGIME_ARMS["vine"], "vine-k3": ["--estimator", "vine", "--k", "3"],

@@ -15,25 +15,22 @@ exist is skipped, one that was cut off resumes from its last checkpoint (written
 can be spread over several sittings. Each seed is a block run on one machine (recorded in each run's machine.json):
 a budget of wall-clock buys different work on another CPU or dtype, so a seed begun on one machine is not continued
 on another (start a new seed there), and estimators are compared within a block. Then summarizes every finished run
-in --out (not only this invocation's) into it: curves.png (scripts/plot.py), results.md and results.json (one row per run,
-and the summary over seeds from plot.summarize_grid), and with --extras the value-error diagnostic on a critic run
-(scripts/diagnose.py, with the adaptive-K rule of `vine-adaptive`) and the credit-assignment picture of a VinePPO run
-(scripts/visualize.py), each on the first run of its estimator that still has its checkpoint here. `--redraw` runs nothing
-and only summarizes, as a grid spread over sittings needs between them.
+in --out (not only this invocation's) into it: curves.png and runs.png (research/readout.py), results.md
+and results.json (one row per run, and the summary over seeds from readout.summarize_grid), and with --extras the
+value-error diagnostic on a critic run (scripts/diagnose.py, with the adaptive-K rule of `vine-adaptive`) and the
+credit-assignment picture of a VinePPO run (scripts/visualize.py), each on the first run of its estimator that still
+has its checkpoint here. `--redraw` runs nothing and only summarizes, as a grid spread over sittings needs between them.
 """
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from research.grid import ESTIMATORS, ROOT, describe, record_machine, sft_stage, this_machine
-from scripts.plot import plot_runs, plot_bands, read_metrics, summarize_grid, summary_markdown
+from research.readout import plot_bands, plot_runs, summarize, summarize_grid, summary_markdown, table
+from runlog import read_metrics
 
 SETTINGS = ["--dataset", "arith", "--prompts-per-iter", "4", "--samples-per-prompt", "4", "--max-new-tokens", "96",
             "--lr", "2e-5", "--no-lr-decay", "--value-lr", "1e-4", "--minibatch-size", "8", "--micro-batch-size", "8",
@@ -68,17 +65,11 @@ def run_state(run_dir: Path, *, budget: float) -> str:
     return "resume" if (run_dir / "latest").exists() else "fresh"
 
 
-
-
-
-
 def seed_machine(out: Path, seed: int) -> dict | None:
     """The machine a seed's block of runs is on: the one recorded by its first run (machine.json), else None."""
     recorded = sorted(out.glob(f"*-s{seed}/machine.json"))
     first = json.loads(recorded[0].read_text()) if recorded else None
     return {k: v for k, v in first.items() if k != "resumes"} if first else None
-
-
 
 
 def block_seeds(out: Path) -> list[int]:
@@ -90,10 +81,6 @@ def block_seeds(out: Path) -> list[int]:
 def cell_dir(out: Path, estimator: str, seed: int) -> Path:
     """The folder of one cell of the grid: one estimator at one seed."""
     return out / f"{estimator}-s{seed}"
-
-
-
-
 
 
 def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str], machine: dict) -> Path | None:
@@ -117,33 +104,6 @@ def run(name: str, seed: int, *, budget: float, out: Path, extra: list[str], mac
     if subprocess.run(cmd, cwd=ROOT).returncode != 0:
         raise SystemExit(f"error: the {name} run (seed {seed}) failed; see its output above")
     return run_dir
-
-
-def summarize(records: list[dict], estimator: str, seed: int) -> dict:
-    """One row of the per-run table from a run's metrics. wall_minutes is the run's own clock (training and
-    evaluations), so a --redraw reports the same figure as the invocation that ran it."""
-    evals = [(r["iteration"], r["eval_accuracy"]) for r in records if "eval_accuracy" in r]
-    trained = [r for r in records if r["iteration"] > 0]
-    ses = [r["eval_se"] for r in records if "eval_se" in r]
-    return {"estimator": estimator, "seed": seed, "iterations": trained[-1]["iteration"],
-            "train_minutes": trained[-1]["train_seconds"] / 60,
-            "wall_minutes": sum(r.get("seconds", r.get("seconds_eval", 0)) for r in records) / 60,
-            "start_pass1": evals[0][1], "final_pass1": evals[-1][1], "best_pass1": max(a for _, a in evals),
-            "eval_se": max(ses, default=None),
-            "final_train_reward": sum(r["reward_mean"] for r in trained[-3:]) / len(trained[-3:]),
-            "seconds_per_iteration": trained[-1]["train_seconds"] / len(trained)}
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| estimator | seed | iterations | train min | train s / iteration | pass@1 start | pass@1 end | best | "
-             "largest SE of one evaluation | train reward (last 3) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        se = "–" if r.get("eval_se") is None else f"{r['eval_se']:.3f}"
-        lines.append(f"| {r['estimator']} | {r['seed']} | {r['iterations']} | {r['train_minutes']:.1f} | "
-                     f"{r['seconds_per_iteration']:.0f} | {r['start_pass1']:.3f} | {r['final_pass1']:.3f} | "
-                     f"{r['best_pass1']:.3f} | {se} | {r['final_train_reward']:.3f} |")
-    return "\n".join(lines)
 
 
 def main():

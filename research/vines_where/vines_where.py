@@ -7,7 +7,7 @@ without contrast beat the same samples spent as fresh responses?
     python -m research.vines_where.vines_where --redraw                        results.md, results.json, curves.png
 
 Arms, from each paper-regime task's SFT model (research.paper_regime.paper_regime, run first; its folder: --regime) with the same
-recipe (scripts/testbed.py SETTINGS at lr 5e-5):
+recipe (research/grid.py SETTINGS at lr 5e-5):
     vine-silent    --vines-where silent: grpo's advantages in groups with contrast, VinePPO's (K = 9) in the others
     grpo-resample  --resample-silent M: grpo, and M fresh responses more to each silent group's prompt; M per task
                    (RESAMPLE) gives it vine-silent's sampled tokens an iteration, measured on vine-silent's seed 0
@@ -24,10 +24,12 @@ from pathlib import Path
 
 import torch
 
-from research.paper_regime.paper_regime import ARMS as REGIME_ARMS, PROMPTS, TASKS, adopt_runs, grid_choices, run_evaluated
-from scripts.plot import read_metrics
+from research.grid import SETTINGS, sft_digest
+from research.paper_regime.recipe import ARMS as REGIME_ARMS
+from research.paper_regime.recipe import (TASKS, adopt_runs, grid_choices, resample_count, resample_flags,
+                                          run_evaluated)
 from research.paper_regime.regime_report import report, start_shift
-from scripts.testbed import SETTINGS, sft_digest
+from runlog import read_metrics
 
 OUT, REGIME = "runs/vines-where", "runs/paper-regime"  # defaults, outside git (committed: results/...)
 # grpo-resample's fresh responses per silent group: resample_count on vine-silent's seed 0 of each task (--measure),
@@ -39,20 +41,6 @@ ARMS = {"vine-silent": ["--estimator", "vine", "--vines-where", "silent"],
 BASE = ("vine", "grpo")  # the paper-regime grid's arms, copied seed by seed
 PAIRS = [("vine-silent", "grpo-resample"), ("vine-silent", "grpo"), ("vine-silent", "vine"),
          ("grpo-resample", "grpo")]
-
-
-def resample_count(records: list[dict]) -> int:
-    """M: fresh responses per silent group that spend a vine-silent run's vine tokens, over its iterations:
-    sum of vine tokens / sum of (silent groups x mean response length), rounded (at least 1)."""
-    trained = [r for r in records if r.get("iteration", 0) > 0 and "silent_frac" in r]
-    fresh = sum(r["silent_frac"] * PROMPTS * r["response_length"] for r in trained)
-    if not trained or fresh == 0:
-        raise SystemExit("error: no silent group in those runs' metrics: M cannot be measured")
-    return max(1, round(sum(r.get("vine_tokens", 0) for r in trained) / fresh))
-
-
-def resample_flags(extra: int) -> list[str]:
-    return ["--estimator", "grpo", "--resample-silent", str(extra)]
 
 
 def grid_arms(task: str, arms: list[str]) -> dict[str, list[str]]:
