@@ -1,6 +1,7 @@
-"""Run by tests/test_dist.py, alone (`python tests/dist_worker.py CASE OUT`) or under
-`torchrun --nproc_per_node=2 tests/dist_worker.py CASE OUT`: the same global batch either way, each rank taking its
-share; rank 0 writes what the test compares (OUT, a torch file).
+"""Run by tests/test_dist.py, alone (`python tests/dist_worker.py CASES OUT`) or under
+`torchrun --nproc_per_node=2 tests/dist_worker.py CASES OUT`: the same global batch either way, each rank taking its
+share; rank 0 writes what the tests compare (OUT, a torch file: case -> result). CASES is comma-separated: one launch
+runs several (a launch costs more than a case; each case seeds its own generators, so the order does not matter).
 
 Cases: ppo, ppo-critic, ppo-fsdp (one PPO iteration of a tiny random Llama, 8 episodes whose response lengths differ
 a lot between the first and the second half), critic-separate, critic-separate-fsdp (the separate critic's value
@@ -122,7 +123,7 @@ def sft_case(case: str, out: str) -> dict:
     stats = sft_step(scorer, optimizer, scheduler, pairs, batch_size=8, micro_batch_size=2, pad_id=0,
                      max_grad_norm=1e9)
     weights = dist.full_state_dict(policy)
-    folder = Path(out).parent / f"final-{world}"  # sft.py's final model, gathered from the shards under FSDP2
+    folder = Path(out).parent / f"final-{case}-{world}"  # sft.py's final model, gathered from shards under FSDP2
     folder.mkdir(exist_ok=True)
     save_final(folder, policy=policy, tokenizer=FakeTokenizer(), prompt_format="chat")
     return {"weights": {k: v.detach().clone() for k, v in weights.items()}, "start": start, "stats": stats,
@@ -181,11 +182,11 @@ def split_case() -> dict:
 
 
 if __name__ == "__main__":
-    case, out = sys.argv[1], sys.argv[2]
+    cases, out = sys.argv[1].split(","), sys.argv[2]
     dist.init(torch.device("cpu"))
     torch.set_num_threads(1)
-    result = split_case() if case == "split" else sft_case(case, out) if case.startswith("sft") else \
-        critic_case(case) if case.startswith("critic") else ppo_case(case)
+    results = {case: split_case() if case == "split" else sft_case(case, out) if case.startswith("sft") else
+               critic_case(case) if case.startswith("critic") else ppo_case(case) for case in cases}
     if dist.rank() == 0:
-        torch.save(result, out)
+        torch.save(results, out)
     dist.finish()

@@ -16,23 +16,36 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
 
 
-def run_worker(case: str, out: Path, *, ranks: int) -> dict:
+def run_worker(cases: list[str], out: Path, *, ranks: int) -> dict:
+    """Each of `cases` run by tests/dist_worker.py in one launch on `ranks` ranks: case -> what rank 0 wrote."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
               "--standalone"] if ranks > 1 else [sys.executable]
-    done = subprocess.run(launch + [str(WORKER), case, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(launch + [str(WORKER), ",".join(cases), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out, weights_only=False)  # our own test output
 
 
-@pytest.mark.parametrize("case", ["ppo", "ppo-critic", "ppo-fsdp", "critic-separate", "critic-separate-fsdp"])
-@pytest.mark.slow  # end to end: real train.py / torchrun processes
-def test_two_ranks_with_half_the_episodes_each_take_the_one_rank_step(tmp_path, case):
+PPO_CASES = ["ppo", "ppo-critic", "ppo-fsdp", "critic-separate", "critic-separate-fsdp"]
+SFT_CASES = ["sft", "sft-fsdp"]
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(tmp_path_factory) -> tuple[dict, dict]:
+    """Every case of PPO_CASES and SFT_CASES, and split, on 1 rank and on 2 ranks, one launch each."""
+    out = tmp_path_factory.mktemp("ranks")
+    return (run_worker(PPO_CASES + SFT_CASES + ["split"], out / "one.pt", ranks=1),
+            run_worker(PPO_CASES + SFT_CASES + ["split"], out / "two.pt", ranks=2))
+
+
+@pytest.mark.parametrize("case", PPO_CASES)
+@pytest.mark.slow  # end to end: torchrun processes
+def test_two_ranks_with_half_the_episodes_each_take_the_one_rank_step(one_and_two_ranks, case):
     """Two PPO steps (SGD: the step is the gradient, scale included) on 2 ranks x 4 episodes leave the parameters
     where 1 rank x 8 episodes does. One rank's responses are 2-4 tokens, the other's 9-14: a loss normalised by each
     rank's own token count, or gradients averaged without the world-size factor, would move them elsewhere."""
-    one = run_worker(case, tmp_path / "one.pt", ranks=1)
-    two = run_worker(case, tmp_path / "two.pt", ranks=2)
+    one, two = one_and_two_ranks[0][case], one_and_two_ranks[1][case]
     assert one["stats"]["optimizer_steps"] == two["stats"]["optimizer_steps"] == 2
     moved = max((one["weights"][k] - one["start"][k]).abs().max().item() for k in one["start"])
     assert moved > 1e-3  # the step is real
@@ -44,14 +57,13 @@ def test_two_ranks_with_half_the_episodes_each_take_the_one_rank_step(tmp_path, 
         assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.parametrize("case", ["sft", "sft-fsdp"])
+@pytest.mark.parametrize("case", SFT_CASES)
 @pytest.mark.slow  # end to end: torchrun processes
-def test_two_ranks_with_half_the_batch_each_take_the_one_rank_sft_step(tmp_path, case):
+def test_two_ranks_with_half_the_batch_each_take_the_one_rank_sft_step(one_and_two_ranks, case):
     """One sft.py step (SGD, no clipping) on 2 ranks x 4 instances leaves the parameters where 1 rank x 8 does, and
     logs the same loss and token counts. One rank's targets are 2-4 tokens, the other's 9-14: gradients averaged
     without the world-size factor, or a loss normalised by each rank's own batch, would move them elsewhere."""
-    one = run_worker(case, tmp_path / "one.pt", ranks=1)
-    two = run_worker(case, tmp_path / "two.pt", ranks=2)
+    one, two = one_and_two_ranks[0][case], one_and_two_ranks[1][case]
     moved = max((one["weights"][k] - one["start"][k]).abs().max().item() for k in one["start"])
     assert moved > 1e-3  # the step is real
     for name, w in one["weights"].items():
@@ -75,11 +87,10 @@ def test_deal_balances_cost_and_deals_each_state_once():
 
 
 @pytest.mark.slow  # end to end: real train.py / torchrun processes
-def test_states_are_pooled_deduplicated_and_balanced_across_ranks(tmp_path):
+def test_states_are_pooled_deduplicated_and_balanced_across_ranks(one_and_two_ranks):
     """estimate_values on 2 ranks estimates exactly the states 1 rank does, each once, with the expected vine tokens
     of the two ranks within one state's worth of each other, and every rank gets its responses' values back."""
-    one = run_worker("split", tmp_path / "one.pt", ranks=1)
-    two = run_worker("split", tmp_path / "two.pt", ranks=2)
+    one, two = one_and_two_ranks[0]["split"], one_and_two_ranks[1]["split"]
     single = one["ranks"][0]["states"]
     pooled = [s for rank in two["ranks"] for s in rank["states"]]
     assert len(set(single)) == len(single) and len(set(pooled)) == len(pooled)  # each state once

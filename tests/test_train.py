@@ -129,22 +129,21 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path, smol_path):
     assert (out / "latest").read_text() == "ckpt-000000" and (out / "ckpt-000000" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("estimator", ["critic"])  # grpo, rloo and every other arm: tests/test_golden.py
-@pytest.mark.slow  # end to end: real train.py / torchrun processes
-def test_baseline_estimators_run_in_the_same_loop(tmp_path, smol_path, estimator):
-    """One iteration on arith with the paper's PPO baseline (the separate critic: a second copy of the real model) in
-    train.py's loop; the critic is checkpointed (its value head in safetensors)."""
-    out = tmp_path / estimator
-    cmd = [sys.executable, "train.py", "--dataset", "arith", "--estimator", estimator, "--iterations", "1",
+@pytest.mark.slow  # end to end: a real train.py process
+def test_the_separate_critic_runs_in_the_same_loop_under_a_time_budget(tmp_path, scratch):
+    """One iteration of the paper's PPO baseline (the separate critic: a second copy of the start model) in train.py's
+    loop, stopped by --time-budget, its critic checkpointed (the value head in safetensors). The tiny scratch model:
+    grpo, rloo and every other arm's numbers are the golden test's; the real model end to end, the smoke test."""
+    out = tmp_path / "critic"
+    cmd = [sys.executable, "train.py", *scratch, "--estimator", "critic", "--iterations", "3",
            "--prompts-per-iter", "2", "--samples-per-prompt", "2", "--max-new-tokens", "32", "--eval-size", "2",
-           "--eval-samples", "1", "--out-dir", str(out), "--sampler", "hf", "--time-budget", "1"]
+           "--eval-samples", "1", "--out-dir", str(out), "--sampler", "hf", "--time-budget", "0.01"]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True, capture_output=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "time budget of 1s reached after 1 iterations" in proc.stdout
+    assert "time budget of 0s reached after 1 iterations" in proc.stdout  # of --iterations 3
     record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
-    assert "vines" not in record and record["optimizer_steps"] >= 1
-    assert ("value_loss" in record) == (estimator == "critic")
-    assert (out / "ckpt-000001" / "critic" / "value_head.safetensors").exists() == (estimator == "critic")  # separate
+    assert "vines" not in record and record["optimizer_steps"] >= 1 and "value_loss" in record
+    assert (out / "ckpt-000001" / "critic" / "value_head.safetensors").exists()  # the separate critic's own folder
 
 
 FOLDER_ROWS = {"number": [("Tom has 3 apples and buys 4 more. How many apples does he have?", "7"),
@@ -155,11 +154,12 @@ FOLDER_ROWS = {"number": [("Tom has 3 apples and buys 4 more. How many apples do
                         ("Simplify $\\sqrt{8}$.", "2\\sqrt{2}")]}
 
 
-@pytest.mark.slow  # two train.py runs, ~1 min each on 2 idle cores (5 min on a loaded machine)
-@pytest.mark.parametrize("grader", ["number", "math"])
+@pytest.mark.slow  # a real train.py run, ~20 s on 2 idle cores
+@pytest.mark.parametrize("grader", ["math"])  # a folder of numbers: --grader auto's choice, tests/test_config.py
 def test_one_iteration_on_a_folder_data_set(tmp_path, smol_path, grader):
-    """--dataset FOLDER (hand-made train.jsonl / test.jsonl) with each grader: one VinePPO iteration, evaluated and
-    checkpointed, under runs/<folder name>-...; --grader auto picks the grader from the answers."""
+    """--dataset FOLDER (hand-made train.jsonl / test.jsonl) of math answers: one VinePPO iteration, evaluated and
+    checkpointed, under runs/<folder name>-...; --grader auto picks the grader from the answers (a folder of numbers
+    gets the number grader: tests/test_config.py)."""
     folder = tmp_path / f"my-{grader}"
     folder.mkdir()
     for split, rows in (("train", FOLDER_ROWS[grader]), ("test", FOLDER_ROWS[grader][:2])):
