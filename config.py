@@ -381,6 +381,13 @@ RUN_DEFINING = ("dataset", "grader", "estimator", "critic", "model", "prompt_for
 NOT_COMPARED = ("out_dir", "data_dir", "resume", "overwrite", "track", "task", "total_steps")  # derived
 
 
+def changed_flags(saved: dict, cfg, names: tuple[str, ...]) -> list[str]:
+    """The flags `names` whose value in a checkpoint's config (`saved`) differs from cfg's, as "--flag a -> b" (sft.py's
+    run-defining flags; train.py's: config_changes)."""
+    return [f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(cfg, k)}" for k in names
+            if saved.get(k) != getattr(cfg, k)]
+
+
 def config_changes(saved: dict, cfg: Config) -> tuple[list[str], list[str]]:
     """(run-defining differences, other differences) between a checkpoint's config and this one, as "--flag a -> b"."""
     defining, other = [], []

@@ -34,7 +34,7 @@ import torch
 import dist
 from checkpoint import (Saver, best_so_far, load_best, open_run, repair_metrics, restore, save_best, save_final,
                         swap_best)
-from config import arg, check_shared, derive_task, parse_dataclass
+from config import arg, changed_flags, check_shared, derive_task, parse_dataclass
 from data import encode_prompt, input_problem, load_split, load_splits, prompt_chars, task_chars
 from engine import HFSampler
 from grader import wrong_line_counts
@@ -79,7 +79,8 @@ class SFTConfig:
     dtype: str = arg("auto", "compute dtype (autocast); master weights and AdamW stay fp32. auto: bf16 where native",
                      choices=["auto", "float32", "bfloat16"])
     device: str = arg("auto", "auto, cpu or cuda")
-    threads: int = arg(0, "CPU threads for torch's ops (0: torch's default, every core; 1 suits a tiny model)")
+    threads: int = arg(0, "CPU threads for torch's ops (0: torch's default, every core); 1 suits a tiny model, whose "
+                          "ops are too small to share out (on a busy machine more threads can be far slower)")
     eval_size: int | None = arg(None, "test problems for pass@1 before and after (default: all on GPU; CPU: 32)")
     eval_samples: int | None = arg(None, "samples per test problem (GPU default: 16; CPU: 4)")
     eval_temperature: float = arg(0.35, "sampling temperature for evaluation; 0: greedy")
@@ -268,8 +269,7 @@ def main(cfg: SFTConfig):
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
     source, state = open_run(out_dir, resume=cfg.resume, overwrite=cfg.overwrite,
-                             compare=lambda saved: ([f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(cfg, k)}"
-                                                     for k in SFT_DEFINING if saved.get(k) != getattr(cfg, k)], []))
+                             compare=lambda saved: (changed_flags(saved, cfg, SFT_DEFINING), []))
     if rank == 0 and source is None:  # a fresh run: an old final model there is not this run's (save_final rewrites it)
         (out_dir / "config.json").unlink(missing_ok=True)
         for old in ("best", "best.old"):

@@ -235,3 +235,21 @@ def test_keep_best_killed_between_the_best_and_its_checkpoint_resumes_without_th
         (2, 0.2), (4, 0.5), (6, 0.4), (7, 0.3)]
     assert json.loads((out / "best" / "best.json").read_text()) == {"step": 4, "validation_accuracy": 0.5}
     assert records[-1]["best_step"] == 4 and not (out / ".tmp-best").exists()
+
+
+def test_resume_refuses_a_changed_run_defining_flag_and_names_it(tmp_path, capsys):
+    """A tiny scratch SFT of 2 steps, then --resume with another --seed and --max-length (run-defining) and another
+    --lr (free to change): refused in one line naming both defining flags, the run left as it was."""
+    import sft
+    base = ["--device", "cpu", "--dataset", "chain", "--arith-ops", "1", "--prompt-format", "plain", "--model",
+            "scratch", "--scratch-layers", "1", "--scratch-width", "16", "--scratch-heads", "2", "--batch-size", "4",
+            "--micro-batch-size", "4", "--eval-size", "2", "--eval-samples", "1", "--max-new-tokens", "8", "--threads",
+            "1", "--out-dir", str(tmp_path / "sft")]
+    sft.main(parse_sft_config([*base, "--max-steps", "2"]))
+    before = (tmp_path / "sft" / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit) as e:
+        sft.main(parse_sft_config([*base, "--max-steps", "3", "--resume", "--seed", "1", "--max-length", "512",
+                                   "--lr", "1e-3"]))
+    message = str(e.value)
+    assert "--seed 0 -> 1" in message and "--max-length 1024 -> 512" in message and "--lr" not in message
+    assert "\n" not in message.strip() and (tmp_path / "sft" / "metrics.jsonl").read_text() == before

@@ -18,6 +18,7 @@ from engine import HFSampler
 from model import load_model, load_tokenizer
 from research.grid import TASK, run_grid, run_state, sft_digest, sft_stage, this_machine
 from rollout import evaluate
+from runlog import read_metrics
 
 TASKS = {"easy": ["--chain-bug", "borrow", "--chain-bug-rate", "0.7"],
          "hard": ["--chain-bug", "borrow-carry", "--chain-bug-rate", "0.7"]}
@@ -113,7 +114,7 @@ def calibrate(out: Path, *, tasks: list[str] = list(TASKS), rebuild: bool = Fals
         if result["sha256"] != digest:
             raise SystemExit(f"error: {measured}: measured on another model ({result['sha256'][:12]}…, now "
                              f"{digest[:12]}…); delete it to measure again")
-        records = [json.loads(line) for line in (sft_dir / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(sft_dir / "metrics.jsonl")
         best = max((r for r in records if "validation_accuracy" in r), key=lambda r: r["validation_accuracy"])
         cells = [f"{result[name][0]:.3f} ± {result[name][1]:.3f}" for name in PLATEAU]
         lines.append(f"| {task} | `{' '.join(flags)}` | {best['iteration']} ({best['validation_accuracy']:.3f}) | "
